@@ -1,0 +1,76 @@
+"""Our ``--speculative-config`` methods, translated onto vLLM's own config.
+
+How a plugin method is wired (the one place this is decided)
+------------------------------------------------------------
+vLLM's ``SpeculativeConfig`` accepts only its own method names and keys. In
+process 0, the adapter wraps ``EngineArgs.create_speculative_config``: a
+dict whose ``method`` is one of ours is validated here and rewritten to
+
+    {"method": "custom_class", "model": DRAFTER_CLASS_PATH,
+     "num_speculative_tokens": K}
+
+while the method name and its validated plugin keys are stored in
+``VllmConfig.additional_config["specplug"]`` (which vLLM ships to every
+worker and hashes into its compile cache key). In the workers vLLM builds
+``DRAFTER_CLASS_PATH``, which reads that entry and instantiates the proposer.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping
+
+from .options import SpecPlugConfigError, valid_keys_text, validate_options
+from .registry import get_proposer_class, load_errors, proposer_names
+
+ADDITIONAL_CONFIG_KEY = "specplug"
+DRAFTER_CLASS_PATH = "vllm_specplug.vllm_adapter.drafter.SpecPlugDrafter"
+DEFAULT_NUM_SPECULATIVE_TOKENS = 8
+# vLLM V1's rejection sampler asserts max_spec_len <= 128.
+MAX_NUM_SPECULATIVE_TOKENS = 128
+
+
+def is_plugin_method(method: Any) -> bool:
+    return isinstance(method, str) and method in proposer_names()
+
+
+def unknown_method_error(method: Any, vllm_methods: Iterable[str]) -> SpecPlugConfigError:
+    errors = load_errors()
+    broken = ""
+    if method in errors:
+        broken = f" (a plugin registered {method!r} but it failed to load: {errors[method]})"
+    return SpecPlugConfigError(
+        f"unknown speculative method {method!r}{broken}. vllm-specplug methods: "
+        f"{', '.join(proposer_names())}; vLLM's own methods: {', '.join(sorted(vllm_methods))}")
+
+
+def translate(spec: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Validate a plugin speculative config.
+
+    Returns ``(vllm_speculative_config_kwargs, plugin_config)``. Raises
+    ``SpecPlugConfigError`` naming the bad key and listing the valid ones.
+    """
+    spec = {str(k).replace("-", "_"): v for k, v in spec.items()}
+    method = spec.pop("method")
+    cls = get_proposer_class(method)
+    k = spec.pop("num_speculative_tokens", None)
+    if k is None:
+        k = DEFAULT_NUM_SPECULATIVE_TOKENS
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_NUM_SPECULATIVE_TOKENS:
+        raise SpecPlugConfigError(
+            f"speculative_config['num_speculative_tokens'] for method {method!r} must be an "
+            f"integer in [1, {MAX_NUM_SPECULATIVE_TOKENS}], got {k!r}")
+    for taken in ("model", "custom_class"):
+        if taken in spec:
+            raise SpecPlugConfigError(
+                f"speculative_config[{taken!r}] is not used by method {method!r}; remove it. "
+                f"Valid keys: {valid_keys_text(cls.options)}")
+    options = validate_options(method, cls.options, spec)
+    vllm_kwargs = {"method": "custom_class", "model": DRAFTER_CLASS_PATH,
+                   "num_speculative_tokens": k}
+    plugin = {"method": method, "num_speculative_tokens": k, "options": options}
+    return vllm_kwargs, plugin
+
+
+def build_proposer(plugin: Mapping[str, Any]):
+    """Instantiate the proposer described by a ``translate`` plugin config."""
+    cls = get_proposer_class(plugin["method"])
+    return cls(plugin["num_speculative_tokens"], **plugin["options"])

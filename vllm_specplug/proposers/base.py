@@ -1,0 +1,140 @@
+"""The proposer interface: context in, draft (chain or tree) out.
+
+Proposers are plain algorithms. They never import vLLM; the adapter
+(``vllm_specplug.vllm_adapter``) feeds them committed tokens and, where the
+runner provides them, the target's top-k at each verified position.
+
+Life cycle of one request, as the adapter drives it::
+
+    start(req_id, prompt_and_committed_ids)   # also after a preemption
+    loop:
+        draft = propose(req_id, budget)       # chain or tree, <= budget nodes
+        ... target verifies ...
+        observe(req_id, committed_ids, target_topk)
+    finish(req_id)                            # finished, aborted or preempted
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar, Sequence
+
+import numpy as np
+
+from ..options import Option
+
+
+@dataclass(frozen=True)
+class Draft:
+    """Draft tokens for one request and one step.
+
+    ``tokens`` are in topological order (parents before children).
+    ``parents[i]`` is the index of node i's parent, or -1 if node i follows the
+    last committed token directly. ``parents is None`` means a chain (node i's
+    parent is i - 1). ``scores`` is an optional confidence per node (e.g. an
+    estimated acceptance probability) for budget allocation.
+    """
+
+    tokens: np.ndarray
+    parents: np.ndarray | None = None
+    scores: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        tokens = np.asarray(self.tokens, dtype=np.int32).reshape(-1)
+        object.__setattr__(self, "tokens", tokens)
+        if self.parents is not None:
+            parents = np.asarray(self.parents, dtype=np.int32).reshape(-1)
+            if parents.shape != tokens.shape:
+                raise ValueError(
+                    f"Draft.parents has {parents.size} entries for {tokens.size} tokens")
+            if np.any(parents >= np.arange(parents.size)) or np.any(parents < -1):
+                raise ValueError("Draft.parents must point to earlier nodes (or -1)")
+            object.__setattr__(self, "parents", parents)
+        if self.scores is not None:
+            scores = np.asarray(self.scores, dtype=np.float32).reshape(-1)
+            if scores.shape != tokens.shape:
+                raise ValueError("Draft.scores must have one entry per token")
+            object.__setattr__(self, "scores", scores)
+
+    @classmethod
+    def chain(cls, tokens: Sequence[int], scores: Sequence[float] | None = None) -> "Draft":
+        return cls(np.asarray(tokens, dtype=np.int32), None, scores)
+
+    @classmethod
+    def empty(cls) -> "Draft":
+        return cls(np.zeros(0, dtype=np.int32))
+
+    def __len__(self) -> int:
+        return int(self.tokens.size)
+
+    @property
+    def is_chain(self) -> bool:
+        if self.parents is None:
+            return True
+        return bool(np.array_equal(self.parents, np.arange(-1, self.tokens.size - 1)))
+
+    def parent_array(self) -> np.ndarray:
+        """Parents per node, chains included (-1 for a root)."""
+        if self.parents is not None:
+            return self.parents
+        return np.arange(-1, self.tokens.size - 1, dtype=np.int32)
+
+    def depths(self) -> np.ndarray:
+        """Depth of each node: 1 for children of the last committed token."""
+        parents = self.parent_array()
+        depth = np.zeros(parents.size, dtype=np.int32)
+        for i, p in enumerate(parents):
+            depth[i] = 1 if p < 0 else depth[p] + 1
+        return depth
+
+
+@dataclass(frozen=True)
+class TargetTopK:
+    """The target's top-k next tokens at each position it scored in one step.
+
+    ``input_ids[i]`` is the token fed at position i (so row i predicts what
+    follows it); ``token_ids``/``logprobs`` are ``[n, k]`` sorted by logprob.
+    """
+
+    input_ids: np.ndarray
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+
+
+class Proposer(ABC):
+    """One speculative method. Subclasses are registered by name."""
+
+    #: The ``method`` name users put in ``--speculative-config``.
+    name: ClassVar[str]
+    #: Plugin keys this proposer accepts (passed to ``__init__`` as keywords,
+    #: with ``num_speculative_tokens``).
+    options: ClassVar[tuple[Option, ...]] = ()
+    #: Whether drafts may be trees (needs tree verification in the runner).
+    drafts_trees: ClassVar[bool] = False
+    #: Whether ``observe`` wants the target's per-position top-k.
+    wants_target_topk: ClassVar[bool] = False
+
+    @abstractmethod
+    def start(self, req_id: str, token_ids: Sequence[int]) -> None:
+        """Begin (or rebuild) a request's state from all its tokens so far."""
+
+    @abstractmethod
+    def observe(self, req_id: str, committed_ids: Sequence[int],
+                target_topk: TargetTopK | None = None) -> None:
+        """Tokens committed in the last step (accepted drafts, then the bonus)."""
+
+    @abstractmethod
+    def propose(self, req_id: str, budget: int) -> Draft:
+        """A draft of at most ``budget`` nodes (empty: no speculation)."""
+
+    @abstractmethod
+    def finish(self, req_id: str) -> None:
+        """Free a request's state (finished, aborted or preempted)."""
+
+    @abstractmethod
+    def active_requests(self) -> int:
+        """Number of requests with state held."""
+
+    def state_nbytes(self) -> int:
+        """Approximate bytes of per-request state held (0 if unknown)."""
+        return 0

@@ -1,0 +1,158 @@
+"""An online suffix automaton over a token sequence, with a running match.
+
+This is the data structure behind SAM-Decoding (arXiv 2411.10666). The
+automaton is extended one token at a time (amortised O(1) per token). Before a
+token is added, the running *match* is advanced with it: the match is the
+longest suffix of the text so far that also occurred ending at an *earlier*
+position. The continuation after that earlier occurrence is the draft.
+
+Each state stores:
+  length  -- the longest string the state represents,
+  link    -- its suffix link,
+  endpos  -- the end position of the state's *first* occurrence,
+  next    -- its transitions (a dict token -> state, or None while empty).
+
+No vLLM import: a plain algorithm, property-tested against brute force.
+"""
+from __future__ import annotations
+
+from array import array
+from typing import Iterable
+
+
+class SuffixAutomaton:
+    """Dynamic suffix automaton with a longest-earlier-suffix match."""
+
+    __slots__ = (
+        "tokens",
+        "_len",
+        "_link",
+        "_endpos",
+        "_next",
+        "_last",
+        "match_state",
+        "match_len",
+        "link_steps",
+    )
+
+    def __init__(self, tokens: Iterable[int] = ()) -> None:
+        self.tokens = array("i")
+        self._len = array("i", [0])
+        self._link = array("i", [-1])
+        self._endpos = array("i", [-1])
+        self._next: list[dict[int, int] | None] = [None]
+        self._last = 0
+        self.match_state = 0
+        self.match_len = 0
+        # Suffix-link steps taken by matching and construction; the amortised
+        # bound (a small constant times the number of tokens) is tested.
+        self.link_steps = 0
+        self.extend(tokens)
+
+    # ------------------------------------------------------------------ size
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_states(self) -> int:
+        return len(self._len)
+
+    def nbytes(self) -> int:
+        """Approximate memory held (bytes): arrays plus transition dicts."""
+        arrays = (len(self.tokens) + 3 * len(self._len)) * 4
+        dicts = sum(64 + 24 * len(d) for d in self._next if d is not None)
+        return arrays + dicts + 8 * len(self._next)
+
+    # ------------------------------------------------------------- building
+    def extend(self, tokens: Iterable[int]) -> None:
+        for t in tokens:
+            self.append(int(t))
+
+    def append(self, t: int) -> None:
+        nxt = self._next
+        lens = self._len
+        link = self._link
+        # 1. Advance the match over the text *before* t (earlier occurrences).
+        s, l = self.match_state, self.match_len
+        while True:
+            d = nxt[s]
+            if d is not None and t in d:
+                s = d[t]
+                l += 1
+                break
+            if s == 0:
+                l = 0
+                break
+            s = link[s]
+            l = lens[s]
+            self.link_steps += 1
+        self.match_state, self.match_len = s, l
+
+        # 2. Standard online construction.
+        pos = len(self.tokens)
+        self.tokens.append(t)
+        cur = len(lens)
+        lens.append(lens[self._last] + 1)
+        link.append(0)
+        self._endpos.append(pos)
+        nxt.append(None)
+        p = self._last
+        while p != -1:
+            d = nxt[p]
+            if d is None:
+                nxt[p] = {t: cur}
+            elif t not in d:
+                d[t] = cur
+            else:
+                break
+            p = link[p]
+            self.link_steps += 1
+        if p != -1:
+            q = nxt[p][t]
+            if lens[p] + 1 == lens[q]:
+                link[cur] = q
+            else:
+                clone = len(lens)
+                lens.append(lens[p] + 1)
+                link.append(link[q])
+                self._endpos.append(self._endpos[q])
+                dq = nxt[q]
+                nxt.append(dict(dq) if dq is not None else None)
+                while p != -1:
+                    d = nxt[p]
+                    if d is None or d.get(t) != q:
+                        break
+                    d[t] = clone
+                    p = link[p]
+                    self.link_steps += 1
+                link[q] = clone
+                link[cur] = clone
+        self._last = cur
+
+    # -------------------------------------------------------------- queries
+    def match_end(self) -> int:
+        """End position of the first earlier occurrence of the match (-1: none)."""
+        return self._endpos[self.match_state] if self.match_len > 0 else -1
+
+    def continuation(self, max_tokens: int, min_match: int = 1) -> tuple[int, list[int]]:
+        """(match length used, tokens following an earlier occurrence of the match).
+
+        If the first occurrence of the longest match has fewer than
+        ``max_tokens`` tokens after it, walk to shorter matches (suffix-link
+        ancestors, whose first occurrence is no later) while they stay at least
+        ``min_match`` long, as SAM-Decoding's ``to_anc`` does.
+        """
+        l = self.match_len
+        if l < min_match or max_tokens <= 0:
+            return l, []
+        s = self.match_state
+        n = len(self.tokens)
+        start = self._endpos[s] + 1
+        while n - start < max_tokens:
+            p = self._link[s]
+            if p <= 0 or self._len[p] < min_match:
+                break
+            s = p
+            l = self._len[p]
+            start = self._endpos[s] + 1
+        return l, self.tokens[start : start + max_tokens].tolist()

@@ -1,0 +1,53 @@
+"""Everything that touches vLLM internals. Nothing else in the package may.
+
+``PATCHES`` declares every change to vLLM, each named after the class it
+changes. ``install()`` (the ``vllm.general_plugins`` entry point, run in every
+vLLM process) checks the version and applies the process-0 patches; worker
+patches are applied when the runner builds our drafter.
+"""
+from __future__ import annotations
+
+from .patching import APPLIED, Patch, apply, applied_names
+from .version import SUPPORTED_VLLM_VERSIONS, UnsupportedVLLMVersion, check_vllm_version
+
+
+def _engine_args_patch(original):
+    from .engine_args import make_create_speculative_config
+
+    return make_create_speculative_config(original)
+
+
+def _runner_patch(original):
+    from .runner import make_propose_draft_token_ids
+
+    return make_propose_draft_token_ids(original)
+
+
+ENGINE_ARGS_PATCH = Patch(
+    name="EngineArgs.create_speculative_config",
+    module="vllm.engine.arg_utils", cls="EngineArgs", attr="create_speculative_config",
+    make=_engine_args_patch,
+    why="accept our method names and keys in --speculative-config; validate them "
+        "before the engine starts; map them onto custom_class + additional_config")
+
+RUNNER_PATCH = Patch(
+    name="GPUModelRunner.propose_draft_token_ids",
+    module="vllm.v1.worker.gpu_model_runner", cls="GPUModelRunner",
+    attr="propose_draft_token_ids",
+    make=_runner_patch,
+    why="hand our drafter each batch row's request id and the scheduler output")
+
+PATCHES = (ENGINE_ARGS_PATCH, RUNNER_PATCH)
+
+
+def install() -> None:
+    check_vllm_version()
+    apply(ENGINE_ARGS_PATCH)
+
+
+def install_worker_patches() -> None:
+    apply(RUNNER_PATCH)
+
+
+__all__ = ["APPLIED", "PATCHES", "SUPPORTED_VLLM_VERSIONS", "UnsupportedVLLMVersion",
+           "applied_names", "check_vllm_version", "install", "install_worker_patches"]

@@ -1,0 +1,108 @@
+"""The ``custom_class`` drafter vLLM builds in each worker for our methods.
+
+It turns vLLM's row-indexed call into per-request proposer calls:
+
+* a request's state is (re)built from the runner's token array when it is new,
+  or when its token count or last token no longer match what we saw (after a
+  preemption by recomputation, or a step the drafter did not see);
+* otherwise only the newly committed tokens are observed;
+* requests that left the batch (finished, aborted, preempted) are freed.
+
+A proposer error affects only its request: it gets no draft this step and its
+state is dropped (rebuilt next step), the engine and other requests go on.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+from ..config import ADDITIONAL_CONFIG_KEY, build_proposer
+
+logger = logging.getLogger("vllm_specplug")
+
+
+class SpecPlugDrafter:
+    def __init__(self, vllm_config: Any) -> None:
+        from . import install_worker_patches
+
+        plugin = (getattr(vllm_config, "additional_config", None) or {}).get(
+            ADDITIONAL_CONFIG_KEY)
+        if plugin is None:
+            raise RuntimeError(
+                "vllm_specplug's drafter was selected without its configuration; select a "
+                "method by name, e.g. --speculative-config '{\"method\": \"sam\"}', instead of "
+                "naming the drafter class in speculative_config['model']")
+        self.plugin = plugin
+        self.method = plugin["method"]
+        self.k = int(vllm_config.speculative_config.num_speculative_tokens)
+        self.proposer = build_proposer(plugin)
+        if self.proposer.drafts_trees:
+            raise NotImplementedError(
+                f"method {self.method!r} drafts trees; tree verification is not available in "
+                "this vllm-specplug build")
+        # req_id -> (number of tokens observed, last token observed)
+        self._seen: dict[str, tuple[int, int]] = {}
+        self._row_req_ids: Sequence[str] | None = None
+        self.target_model = None
+        self.num_errors = 0
+        install_worker_patches()
+
+    # vLLM's CPU runner calls this unconditionally; model-free methods ignore it.
+    def load_model(self, target_model: Any) -> None:
+        self.target_model = target_model
+
+    def begin_step(self, req_ids: Sequence[str], scheduler_output: Any) -> None:
+        self._row_req_ids = req_ids
+
+    def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec,
+                token_ids_cpu, slot_mappings: Any = None) -> list[list[int]]:
+        req_ids = self._row_req_ids
+        if req_ids is None:
+            raise RuntimeError(
+                "vllm_specplug: the runner patch GPUModelRunner.propose_draft_token_ids was "
+                "not applied; is the installed vLLM supported?")
+        self._row_req_ids = None
+        drafts: list[list[int]] = []
+        live = set()
+        for row, sampled in enumerate(sampled_token_ids):
+            req_id = req_ids[row]
+            live.add(req_id)
+            if not sampled:  # partial prefill or discarded row
+                drafts.append([])
+                continue
+            try:
+                drafts.append(self._propose_row(req_id, row, int(num_tokens_no_spec[row]),
+                                                token_ids_cpu))
+            except Exception:  # noqa: BLE001 - one request's failure stays its own
+                self.num_errors += 1
+                logger.exception("vllm_specplug: %s proposer failed for request %s; "
+                                 "no draft this step", self.method, req_id)
+                self._forget(req_id)
+                drafts.append([])
+        for req_id in [r for r in self._seen if r not in live]:
+            self._forget(req_id)
+        return drafts
+
+    def _propose_row(self, req_id: str, row: int, n: int, token_ids_cpu) -> list[int]:
+        seen = self._seen.get(req_id)
+        if (seen is not None and seen[0] <= n
+                and int(token_ids_cpu[row, seen[0] - 1]) == seen[1]):
+            if n > seen[0]:
+                self.proposer.observe(req_id, token_ids_cpu[row, seen[0]:n].tolist())
+        else:
+            if seen is not None:
+                self.proposer.finish(req_id)
+            self.proposer.start(req_id, token_ids_cpu[row, :n].tolist())
+        self._seen[req_id] = (n, int(token_ids_cpu[row, n - 1]))
+        draft = self.proposer.propose(req_id, self.k)
+        return draft.tokens[: self.k].tolist()
+
+    def _forget(self, req_id: str) -> None:
+        self._seen.pop(req_id, None)
+        self.proposer.finish(req_id)
+
+    # ------------------------------------------------------------ introspection
+    def stats(self) -> dict[str, int]:
+        return {"active_requests": self.proposer.active_requests(),
+                "state_bytes": self.proposer.state_nbytes(),
+                "errors": self.num_errors}
