@@ -42,13 +42,25 @@ def unknown_method_error(method: Any, vllm_methods: Iterable[str]) -> SpecPlugCo
         f"{', '.join(proposer_names())}; vLLM's own methods: {', '.join(sorted(vllm_methods))}")
 
 
+def normalize_keys(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """``-`` to ``_`` in keys, as vLLM does; two spellings of one key are an error."""
+    out: dict[str, Any] = {}
+    for k, v in spec.items():
+        key = str(k).replace("-", "_")
+        if key in out:
+            raise SpecPlugConfigError(
+                f"speculative_config gives {key!r} twice (as {k!r} and with underscores)")
+        out[key] = v
+    return out
+
+
 def translate(spec: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Validate a plugin speculative config.
 
     Returns ``(vllm_speculative_config_kwargs, plugin_config)``. Raises
     ``SpecPlugConfigError`` naming the bad key and listing the valid ones.
     """
-    spec = {str(k).replace("-", "_"): v for k, v in spec.items()}
+    spec = normalize_keys(spec)
     method = spec.pop("method")
     cls = get_proposer_class(method)
     k = spec.pop("num_speculative_tokens", None)

@@ -23,6 +23,12 @@ def _runner_patch(original):
     return make_propose_draft_token_ids(original)
 
 
+def _request_removed_patch(original):
+    from .runner import make_on_request_state_removed
+
+    return make_on_request_state_removed(original)
+
+
 ENGINE_ARGS_PATCH = Patch(
     name="EngineArgs.create_speculative_config",
     module="vllm.engine.arg_utils", cls="EngineArgs", attr="create_speculative_config",
@@ -37,7 +43,15 @@ RUNNER_PATCH = Patch(
     make=_runner_patch,
     why="hand our drafter each batch row's request id and the scheduler output")
 
-PATCHES = (ENGINE_ARGS_PATCH, RUNNER_PATCH)
+REQUEST_REMOVED_PATCH = Patch(
+    name="GPUModelRunner._on_request_state_removed",
+    module="vllm.v1.worker.gpu_model_runner", cls="GPUModelRunner",
+    attr="_on_request_state_removed",
+    make=_request_removed_patch,
+    why="free a request's proposer state as soon as it finishes or is aborted "
+        "(preempted requests are freed when they leave the batch)")
+
+PATCHES = (ENGINE_ARGS_PATCH, RUNNER_PATCH, REQUEST_REMOVED_PATCH)
 
 
 def install() -> None:
@@ -47,6 +61,7 @@ def install() -> None:
 
 def install_worker_patches() -> None:
     apply(RUNNER_PATCH)
+    apply(REQUEST_REMOVED_PATCH)
 
 
 __all__ = ["APPLIED", "PATCHES", "SUPPORTED_VLLM_VERSIONS", "UnsupportedVLLMVersion",

@@ -97,6 +97,11 @@ class SpecPlugDrafter:
         draft = self.proposer.propose(req_id, self.k)
         return draft.tokens[: self.k].tolist()
 
+    def finish_request(self, req_id: str) -> None:
+        """The request finished or was aborted (runner hook)."""
+        if req_id in self._seen:
+            self._forget(req_id)
+
     def _forget(self, req_id: str) -> None:
         self._seen.pop(req_id, None)
         self.proposer.finish(req_id)

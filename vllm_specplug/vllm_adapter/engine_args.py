@@ -19,7 +19,7 @@ def vllm_method_names() -> list[str]:
 
 def make_create_speculative_config(original):
     def create_speculative_config(self, target_model_config, target_parallel_config):
-        spec: dict[str, Any] = dict(self.speculative_config or {})
+        spec: dict[str, Any] = plugin_config.normalize_keys(self.speculative_config or {})
         method = spec.get("method", self.spec_method)
         if plugin_config.is_plugin_method(method):
             for flag, key, value in (("--spec-method", "method", self.spec_method),
@@ -28,7 +28,7 @@ def make_create_speculative_config(original):
                                       self.spec_tokens)):
                 if value is None:
                     continue
-                if key in spec and self.speculative_config and key in self.speculative_config:
+                if key in spec:
                     raise ValueError(
                         f"{flag} and --speculative-config['{key}'] are mutually exclusive")
                 spec[key] = value

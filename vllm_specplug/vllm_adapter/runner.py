@@ -18,3 +18,15 @@ def make_propose_draft_token_ids(original):
         return original(self, scheduler_output, *args, **kwargs)
 
     return propose_draft_token_ids
+
+
+def make_on_request_state_removed(original):
+    def _on_request_state_removed(self, req_id, req_state):
+        from .drafter import SpecPlugDrafter
+
+        drafter = getattr(self, "drafter", None)
+        if isinstance(drafter, SpecPlugDrafter):
+            drafter.finish_request(req_id)
+        return original(self, req_id, req_state)
+
+    return _on_request_state_removed

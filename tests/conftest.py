@@ -1,0 +1,45 @@
+"""Shared fixtures. Engines are expensive (~45 s to start): one per config,
+shared by every test of the session."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+_ENGINES: dict = {}
+
+
+@pytest.fixture(scope="session")
+def model_path() -> str:
+    from vllm_specplug.models import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def get_llm(model_path):
+    """``get_llm(name, speculative_config)`` -> a shared vLLM ``LLM``."""
+    from vllm_specplug.bench.engine import build_llm
+
+    def get(name: str, speculative_config: dict | None = None, **overrides):
+        if name not in _ENGINES:
+            _ENGINES[name] = build_llm(model_path, speculative_config,
+                                       max_model_len=2048, **overrides)
+        return _ENGINES[name]
+
+    yield get
+    for llm in _ENGINES.values():
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception:  # noqa: BLE001
+            pass
+    _ENGINES.clear()
+
+
+@pytest.fixture(scope="session")
+def spec_bench_prompts():
+    from vllm_specplug.bench.prompts import load_prompts
+
+    return load_prompts()

@@ -1,0 +1,32 @@
+"""Helpers for the engine tests."""
+from __future__ import annotations
+
+
+def chat(llm, prompts: list[str], max_tokens: int, temperature: float = 0.0, **kw):
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=temperature, max_tokens=max_tokens, **kw)
+    msgs = [[{"role": "user", "content": p}] for p in prompts]
+    return llm.chat(msgs, sp, use_tqdm=False)
+
+
+def tau_of(llm, run) -> tuple[float, dict, list]:
+    """Run ``run()`` (returning vLLM outputs) and measure tau from the spec counters."""
+    from vllm_specplug.bench.engine import counter_delta, read_spec_counters
+
+    before = read_spec_counters(llm)
+    outs = run()
+    delta = counter_delta(read_spec_counters(llm), before)
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    steps = generated - delta["accepted"]
+    return generated / steps, delta, outs
+
+
+def pick(prompts: list[dict], categories: list[str], per_category: int) -> list[dict]:
+    out, seen = [], {}
+    for p in prompts:
+        c = p["category"]
+        if c in categories and seen.get(c, 0) < per_category:
+            seen[c] = seen.get(c, 0) + 1
+            out.append(p)
+    return out

@@ -1,0 +1,191 @@
+"""Config translation, option validation and the vLLM version check. No vLLM import."""
+from __future__ import annotations
+
+import importlib
+import sys
+
+import pytest
+
+from vllm_specplug import config
+from vllm_specplug.config import (DEFAULT_NUM_SPECULATIVE_TOKENS, DRAFTER_CLASS_PATH,
+                                  build_proposer, translate, unknown_method_error)
+from vllm_specplug.options import SpecPlugConfigError
+from vllm_specplug.proposers.sam import SamProposer
+from vllm_specplug.vllm_adapter.version import (SUPPORTED_VLLM_VERSIONS,
+                                                UnsupportedVLLMVersion, check_vllm_version)
+
+SAM_DEFAULTS = {"sam_min_match_len": 2, "sam_spec_factor": 4.0}
+
+
+def test_translate_defaults():
+    vllm_kwargs, plugin = translate({"method": "sam"})
+    assert DEFAULT_NUM_SPECULATIVE_TOKENS == 8
+    assert vllm_kwargs == {"method": "custom_class", "model": DRAFTER_CLASS_PATH,
+                           "num_speculative_tokens": 8}
+    assert plugin == {"method": "sam", "num_speculative_tokens": 8, "options": SAM_DEFAULTS}
+    assert isinstance(plugin["options"]["sam_spec_factor"], float)
+
+
+def test_translate_explicit_none_k_is_default():
+    vllm_kwargs, plugin = translate({"method": "sam", "num_speculative_tokens": None})
+    assert vllm_kwargs["num_speculative_tokens"] == plugin["num_speculative_tokens"] == 8
+
+
+@pytest.mark.parametrize("k", [1, 4, 128])
+def test_translate_k(k):
+    vllm_kwargs, plugin = translate({"method": "sam", "num_speculative_tokens": k})
+    assert vllm_kwargs == {"method": "custom_class", "model": DRAFTER_CLASS_PATH,
+                           "num_speculative_tokens": k}
+    assert plugin["num_speculative_tokens"] == k
+    assert plugin["options"] == SAM_DEFAULTS
+
+
+def test_translate_options():
+    spec = {"method": "sam", "num_speculative_tokens": 5, "sam_min_match_len": 3,
+            "sam_spec_factor": 2}
+    before = dict(spec)
+    vllm_kwargs, plugin = translate(spec)
+    assert spec == before  # the caller's dict is not modified
+    assert vllm_kwargs["num_speculative_tokens"] == 5
+    assert plugin == {"method": "sam", "num_speculative_tokens": 5,
+                      "options": {"sam_min_match_len": 3, "sam_spec_factor": 2.0}}
+    assert isinstance(plugin["options"]["sam_spec_factor"], float)
+
+
+def test_translate_accepts_dashed_keys():
+    _, plugin = translate({"method": "sam", "num-speculative-tokens": 3,
+                           "sam-min-match-len": 4})
+    assert plugin["num_speculative_tokens"] == 3
+    assert plugin["options"]["sam_min_match_len"] == 4
+
+
+def test_drafter_class_path_resolves():
+    module, _, name = DRAFTER_CLASS_PATH.rpartition(".")
+    cls = getattr(importlib.import_module(module), name)
+    assert cls.__name__ == "SpecPlugDrafter"
+
+
+# ------------------------------------------------------------------- errors
+def test_error_is_a_value_error():
+    assert issubclass(SpecPlugConfigError, ValueError)
+
+
+def test_unknown_key_names_it_and_lists_valid_keys():
+    with pytest.raises(SpecPlugConfigError) as info:
+        translate({"method": "sam", "sam_min_match": 3})
+    msg = str(info.value)
+    assert "'sam_min_match'" in msg
+    for key in ("method", "num_speculative_tokens", "sam_min_match_len", "sam_spec_factor"):
+        assert key in msg
+
+
+@pytest.mark.parametrize("value", ["4", True, False, 4.0, 2.5, [4]])
+def test_k_wrong_type(value):
+    with pytest.raises(SpecPlugConfigError, match="num_speculative_tokens"):
+        translate({"method": "sam", "num_speculative_tokens": value})
+
+
+@pytest.mark.parametrize("value", [0, -1, -8, 129, 10_000])
+def test_k_out_of_range(value):
+    with pytest.raises(SpecPlugConfigError, match="num_speculative_tokens") as info:
+        translate({"method": "sam", "num_speculative_tokens": value})
+    assert "128" in str(info.value)
+
+
+@pytest.mark.parametrize("value", ["2", True, 2.0, None])
+def test_int_option_wrong_type(value):
+    with pytest.raises(SpecPlugConfigError, match="sam_min_match_len.*integer"):
+        translate({"method": "sam", "sam_min_match_len": value})
+
+
+@pytest.mark.parametrize("value", [0, -1, 1025])
+def test_int_option_out_of_range(value):
+    with pytest.raises(SpecPlugConfigError, match="sam_min_match_len"):
+        translate({"method": "sam", "sam_min_match_len": value})
+
+
+@pytest.mark.parametrize("value", ["4.0", True, None, float("nan")])
+def test_float_option_wrong_type(value):
+    with pytest.raises(SpecPlugConfigError, match="sam_spec_factor"):
+        translate({"method": "sam", "sam_spec_factor": value})
+
+
+@pytest.mark.parametrize("value", [0, 0.0, -1.0, 1024.5, float("inf")])
+def test_float_option_out_of_range(value):
+    with pytest.raises(SpecPlugConfigError, match="sam_spec_factor"):
+        translate({"method": "sam", "sam_spec_factor": value})
+
+
+@pytest.mark.parametrize("key", ["model", "custom_class"])
+def test_model_key_is_rejected(key):
+    with pytest.raises(SpecPlugConfigError) as info:
+        translate({"method": "sam", key: "some/model"})
+    msg = str(info.value)
+    assert repr(key) in msg
+    assert "remove it" in msg  # says what to do, not just "unknown key"
+    assert "sam_min_match_len" in msg
+
+
+def test_unknown_method_error():
+    err = unknown_method_error("foo", ["ngram", "suffix"])
+    assert isinstance(err, SpecPlugConfigError)
+    msg = str(err)
+    assert "'foo'" in msg
+    assert "sam" in msg
+    assert "ngram" in msg and "suffix" in msg
+
+
+# ------------------------------------------------------------ build_proposer
+def test_build_proposer_defaults():
+    _, plugin = translate({"method": "sam", "num_speculative_tokens": 4})
+    prop = build_proposer(plugin)
+    assert isinstance(prop, SamProposer)
+    assert prop.num_speculative_tokens == 4
+    assert prop.min_match_len == 2
+    assert prop.spec_factor == 4.0
+
+
+def test_build_proposer_applies_options():
+    _, plugin = translate({"method": "sam", "num_speculative_tokens": 3,
+                           "sam_min_match_len": 5, "sam_spec_factor": 0.5})
+    prop = build_proposer(plugin)
+    assert isinstance(prop, SamProposer)
+    assert (prop.num_speculative_tokens, prop.min_match_len, prop.spec_factor) == (3, 5, 0.5)
+
+
+def test_is_plugin_method():
+    assert config.is_plugin_method("sam")
+    assert not config.is_plugin_method("ngram")
+    assert not config.is_plugin_method(None)
+    assert not config.is_plugin_method(["sam"])
+
+
+# -------------------------------------------------------------- vLLM version
+def test_unsupported_vllm_version():
+    assert "0.32.0" in SUPPORTED_VLLM_VERSIONS
+    with pytest.raises(UnsupportedVLLMVersion) as info:
+        check_vllm_version("0.31.0")
+    msg = str(info.value)
+    assert "0.32.0" in msg
+    assert "0.31.0" in msg
+    assert isinstance(info.value, RuntimeError)
+
+
+@pytest.mark.parametrize("version", ["0.32.1", "0.33.0", "0.32.0rc1", "unknown"])
+def test_other_versions_rejected(version):
+    with pytest.raises(UnsupportedVLLMVersion, match="0.32.0"):
+        check_vllm_version(version)
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.0+cpu", "0.32.0+cu128"])
+def test_supported_vllm_version(version):
+    assert check_vllm_version(version) == version
+
+
+def test_version_check_with_explicit_version_does_not_import_vllm():
+    if "vllm" in sys.modules:
+        pytest.skip("vllm already imported by another test")
+    check_vllm_version("0.32.0+cpu")
+    with pytest.raises(UnsupportedVLLMVersion):
+        check_vllm_version("0.31.0")
+    assert "vllm" not in sys.modules

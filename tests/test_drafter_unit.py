@@ -1,0 +1,331 @@
+"""SpecPlugDrafter driven as vLLM's runner would, without vLLM.
+
+The worker patch (which imports vLLM's GPU model runner) is replaced by a
+no-op; the runner's per-step call is simulated with numpy arrays.
+"""
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import vllm_specplug.vllm_adapter as adapter
+from vllm_specplug.config import translate
+from vllm_specplug.proposers.base import Draft
+from vllm_specplug.proposers.sam import SamProposer
+from vllm_specplug.vllm_adapter.drafter import SpecPlugDrafter
+
+K = 4
+
+
+@pytest.fixture
+def patch_calls(monkeypatch):
+    calls = []
+    monkeypatch.setattr(adapter, "install_worker_patches", lambda: calls.append(1))
+    return calls
+
+
+def make_vllm_config(spec=None):
+    spec = spec or {"method": "sam", "num_speculative_tokens": K}
+    _, plugin = translate(spec)
+    return SimpleNamespace(
+        additional_config={"specplug": plugin},
+        speculative_config=SimpleNamespace(
+            num_speculative_tokens=plugin["num_speculative_tokens"]))
+
+
+@pytest.fixture
+def drafter(patch_calls):
+    return SpecPlugDrafter(make_vllm_config())
+
+
+def arrays(histories, max_len=None):
+    """(num_tokens_no_spec, token_ids_cpu) as the runner holds them."""
+    max_len = max_len or max([len(h) for h in histories] + [1]) + 8
+    token_ids = np.zeros((len(histories), max_len), dtype=np.int32)
+    for row, h in enumerate(histories):
+        token_ids[row, :len(h)] = h
+        # garbage after the committed tokens (e.g. draft slots) must be ignored
+        token_ids[row, len(h):] = 999_999
+    return np.asarray([len(h) for h in histories], dtype=np.int32), token_ids
+
+
+def step(drafter, req_ids, histories, sampled):
+    drafter.begin_step(list(req_ids), None)
+    num_tokens, token_ids = arrays(histories)
+    return drafter.propose(sampled, num_tokens, token_ids)
+
+
+def fresh_draft(history, k=K, **options) -> list[int]:
+    prop = SamProposer(k, **options)
+    prop.start("x", history)
+    return prop.propose("x", k).tokens.tolist()
+
+
+# ------------------------------------------------------------- construction
+def test_construction(patch_calls):
+    d = SpecPlugDrafter(make_vllm_config())
+    assert patch_calls == [1]
+    assert d.method == "sam"
+    assert d.k == K
+    assert isinstance(d.proposer, SamProposer)
+    assert d.proposer.num_speculative_tokens == K
+    assert d.stats() == {"active_requests": 0, "state_bytes": 0, "errors": 0}
+    target = object()
+    d.load_model(target)
+    assert d.target_model is target
+
+
+def test_options_reach_the_proposer(patch_calls):
+    d = SpecPlugDrafter(make_vllm_config(
+        {"method": "sam", "num_speculative_tokens": 3, "sam_min_match_len": 4,
+         "sam_spec_factor": 0.5}))
+    assert (d.k, d.proposer.min_match_len, d.proposer.spec_factor) == (3, 4, 0.5)
+
+
+def test_missing_plugin_config_is_explained(patch_calls):
+    for extra in (None, {}, {"other": 1}):
+        cfg = SimpleNamespace(additional_config=extra,
+                              speculative_config=SimpleNamespace(num_speculative_tokens=4))
+        with pytest.raises(RuntimeError, match="method"):
+            SpecPlugDrafter(cfg)
+
+
+def test_tree_proposers_are_refused(patch_calls, monkeypatch):
+    import vllm_specplug.vllm_adapter.drafter as drafter_mod
+
+    monkeypatch.setattr(drafter_mod, "build_proposer",
+                        lambda plugin: SimpleNamespace(drafts_trees=True))
+    with pytest.raises(NotImplementedError, match="tree"):
+        SpecPlugDrafter(make_vllm_config())
+
+
+def test_propose_without_begin_step(drafter):
+    num_tokens, token_ids = arrays([[1, 2, 1, 2]])
+    with pytest.raises(RuntimeError, match="propose_draft_token_ids"):
+        drafter.propose([[2]], num_tokens, token_ids)
+    # begin_step is consumed by one propose call
+    drafter.begin_step(["a"], None)
+    drafter.propose([[2]], num_tokens, token_ids)
+    with pytest.raises(RuntimeError):
+        drafter.propose([[2]], num_tokens, token_ids)
+
+
+# ------------------------------------------------------------------- drafts
+def test_first_step_drafts(drafter):
+    hist = [1, 2, 3, 4, 5, 1, 2, 3]
+    drafts = step(drafter, ["a"], [hist], [[3]])
+    assert drafts == [[4, 5, 1, 2]] == [fresh_draft(hist)]
+    assert drafter.stats()["active_requests"] == 1
+    assert drafter.stats()["state_bytes"] > 0
+
+
+def test_rows_without_sampled_tokens_get_no_draft(drafter):
+    hists = [[1, 2, 3, 1, 2], [7, 8, 7, 8], [5, 6, 5, 6]]
+    drafts = step(drafter, ["a", "b", "c"], hists, [[2], [], [6]])
+    assert drafts == [fresh_draft(hists[0]), [], fresh_draft(hists[2])]
+    assert drafts[0] and drafts[2]
+    # a row still prefilling holds no state yet, but is not freed either
+    assert drafter.stats()["active_requests"] == 2
+
+
+def test_multi_step_simulation_matches_fresh_proposer(drafter):
+    """Several requests, drafts verified against a hidden 'true' continuation."""
+    rng = random.Random(7)
+    # each request's full text: a noisy repetitive stream (so drafts get accepted)
+    truth = {}
+    for rid in ("a", "b", "c"):
+        pattern = [rng.randrange(20) for _ in range(rng.randint(3, 9))]
+        truth[rid] = [t if rng.random() > 0.1 else rng.randrange(20)
+                      for t in (pattern * 40)[:200]]
+    pos = {"a": 6, "b": 9, "c": 4}  # prompt lengths
+    last_drafts = {rid: [] for rid in truth}
+    order = ["a", "b", "c"]
+    total_drafted = 0
+    for it in range(40):
+        if it == 20:
+            order = ["c", "a", "b"]  # the batch is reordered (rows move)
+        sampled, hists = [], []
+        for rid in order:
+            t = truth[rid]
+            if it == 0:
+                committed = [t[pos[rid] - 1]]  # prefill: the prompt, then its sample
+            else:
+                d, accepted = last_drafts[rid], 0
+                while accepted < len(d) and d[accepted] == t[pos[rid] + accepted]:
+                    accepted += 1
+                committed = t[pos[rid]:pos[rid] + accepted + 1]  # accepted + bonus
+                pos[rid] += accepted + 1
+            sampled.append(list(committed))
+            hists.append(t[:pos[rid]])
+        drafts = step(drafter, order, hists, sampled)
+        for rid, hist, d in zip(order, hists, drafts):
+            assert len(d) <= K
+            assert d == fresh_draft(hist)
+            last_drafts[rid] = d
+            total_drafted += len(d)
+        assert drafter.stats()["active_requests"] == len(order)
+        assert drafter.stats()["errors"] == 0
+    assert total_drafted > 0
+
+
+def test_drafts_never_exceed_k(patch_calls):
+    for k in (1, 2, 4):
+        d = SpecPlugDrafter(make_vllm_config({"method": "sam", "num_speculative_tokens": k}))
+        hist = [1, 2, 3] * 20
+        drafts = step(d, ["a"], [hist], [[3]])
+        assert len(drafts[0]) == k
+        assert drafts[0] == fresh_draft(hist, k=k)
+
+
+def test_drafts_are_capped_even_if_the_proposer_overshoots(drafter, monkeypatch):
+    monkeypatch.setattr(drafter.proposer, "propose",
+                        lambda req_id, budget: Draft.chain(list(range(budget + 5))))
+    drafts = step(drafter, ["a"], [[1, 2, 3]], [[3]])
+    assert drafts == [[0, 1, 2, 3]]
+
+
+def test_draft_values_are_python_ints(drafter):
+    drafts = step(drafter, ["a"], [[1, 2, 3, 1, 2]], [[2]])
+    assert drafts == [[3, 1, 2]]
+    assert all(type(t) is int for t in drafts[0])
+
+
+def test_only_new_tokens_are_observed(drafter, monkeypatch):
+    calls = []
+    orig_start, orig_observe = drafter.proposer.start, drafter.proposer.observe
+    monkeypatch.setattr(drafter.proposer, "start",
+                        lambda rid, toks: (calls.append(("start", list(toks))),
+                                           orig_start(rid, toks)))
+    monkeypatch.setattr(drafter.proposer, "observe",
+                        lambda rid, toks, topk=None: (calls.append(("observe", list(toks))),
+                                                      orig_observe(rid, toks)))
+    step(drafter, ["a"], [[1, 2, 3]], [[3]])
+    step(drafter, ["a"], [[1, 2, 3, 4, 5]], [[4, 5]])
+    step(drafter, ["a"], [[1, 2, 3, 4, 5]], [[]])  # no sample: nothing observed
+    step(drafter, ["a"], [[1, 2, 3, 4, 5, 1]], [[1]])
+    assert calls == [("start", [1, 2, 3]), ("observe", [4, 5]), ("observe", [1])]
+
+
+# --------------------------------------------------------- request life cycle
+def test_request_leaving_the_batch_is_freed(drafter):
+    hists = [[1, 2, 1, 2], [3, 4, 3, 4], [5, 6, 5, 6]]
+    step(drafter, ["a", "b", "c"], hists, [[2], [4], [6]])
+    assert drafter.stats()["active_requests"] == 3
+    full_bytes = drafter.stats()["state_bytes"]
+    # "b" finished: rows shift up
+    drafts = step(drafter, ["a", "c"], [hists[0] + [1], hists[2] + [5]], [[1], [5]])
+    assert drafts == [fresh_draft(hists[0] + [1]), fresh_draft(hists[2] + [5])]
+    assert drafter.stats()["active_requests"] == 2
+    assert drafter.stats()["state_bytes"] < full_bytes
+    assert set(drafter._seen) == {"a", "c"}
+    # all left
+    assert step(drafter, [], [], []) == []
+    assert drafter.stats()["active_requests"] == 0
+    assert drafter.stats()["state_bytes"] == 0
+
+
+def test_returning_request_is_rebuilt(drafter):
+    step(drafter, ["a"], [[1, 2, 1, 2]], [[2]])
+    step(drafter, [], [], [])  # preempted: freed
+    assert drafter.stats()["active_requests"] == 0
+    hist = [1, 2, 1, 2, 1]
+    assert step(drafter, ["a"], [hist], [[1]]) == [fresh_draft(hist)]
+    assert drafter.stats()["active_requests"] == 1
+
+
+def test_changed_last_token_at_same_count_rebuilds(drafter):
+    old = [1, 2, 3, 9, 1, 2, 3]
+    assert step(drafter, ["a"], [old], [[3]]) == [[9, 1, 2, 3]]
+    # preemption + recomputation sampled something else at the same position
+    new = [1, 2, 3, 9, 1, 2, 7]
+    drafts = step(drafter, ["a"], [new], [[7]])
+    assert drafts == [fresh_draft(new)] == [[]]
+    # and the rebuilt state continues correctly
+    newer = new + [1, 2, 3]
+    assert step(drafter, ["a"], [newer], [[1, 2, 3]]) == [fresh_draft(newer)] == [[9, 1, 2, 7]]
+    assert drafter.stats()["active_requests"] == 1
+
+
+def test_changed_history_at_same_count_rebuilds_with_new_draft(drafter):
+    old = [1, 2, 3, 7, 8, 9, 1, 2]
+    assert step(drafter, ["a"], [old], [[2]]) == [[3, 7, 8, 9]]
+    new = [1, 2, 3, 7, 8, 9, 8, 9]
+    drafts = step(drafter, ["a"], [new], [[9]])
+    assert drafts == [fresh_draft(new)] == [[8, 9]]
+
+
+def test_shrunk_history_rebuilds(drafter):
+    step(drafter, ["a"], [[4, 5, 6, 4, 5, 6, 4, 5]], [[5]])
+    hist = [4, 5, 6, 4, 5]  # fewer tokens than seen: recomputation from scratch
+    assert step(drafter, ["a"], [hist], [[5]]) == [fresh_draft(hist)] == [[6, 4, 5]]
+
+
+def test_changed_token_behind_new_tokens_rebuilds(drafter):
+    step(drafter, ["a"], [[1, 2, 3, 4]], [[4]])
+    # the token at the old last position differs: not an extension of what we saw
+    hist = [1, 2, 3, 0, 1, 2]
+    assert step(drafter, ["a"], [hist], [[1, 2]]) == [fresh_draft(hist)] == [[3, 0, 1, 2]]
+
+
+# ------------------------------------------------------------------- errors
+def test_proposer_error_affects_only_its_request(drafter, monkeypatch, caplog):
+    hists = [[1, 2, 3, 1, 2], [4, 5, 6, 4, 5], [7, 8, 9, 7, 8]]
+    step(drafter, ["a", "b", "c"], hists, [[2], [5], [8]])
+    assert drafter.stats()["active_requests"] == 3
+
+    orig = drafter.proposer.propose
+
+    def flaky(req_id, budget):
+        if req_id == "b":
+            raise ValueError("boom")
+        return orig(req_id, budget)
+
+    monkeypatch.setattr(drafter.proposer, "propose", flaky)
+    hists = [h + [h[2]] for h in hists]
+    with caplog.at_level("ERROR", logger="vllm_specplug"):
+        drafts = step(drafter, ["a", "b", "c"], hists, [[3], [6], [9]])
+    assert drafts == [fresh_draft(hists[0]), [], fresh_draft(hists[2])]
+    assert drafts[0] and drafts[2]
+    assert drafter.stats()["errors"] == 1
+    assert drafter.stats()["active_requests"] == 2  # b's state was dropped
+    assert "b" not in drafter._seen
+    assert any("b" in r.getMessage() for r in caplog.records)
+
+    # next step works again, b rebuilt from the runner's tokens
+    monkeypatch.setattr(drafter.proposer, "propose", orig)
+    hists = [h + [h[0]] for h in hists]
+    drafts = step(drafter, ["a", "b", "c"], hists, [[1], [4], [7]])
+    assert drafts == [fresh_draft(h) for h in hists]
+    assert all(drafts)
+    assert drafter.stats()["errors"] == 1
+    assert drafter.stats()["active_requests"] == 3
+
+
+def test_errors_accumulate(drafter, monkeypatch):
+    def broken(req_id, budget):
+        raise RuntimeError("always")
+
+    monkeypatch.setattr(drafter.proposer, "propose", broken)
+    for i in range(3):
+        h = [1, 2] * (i + 2)
+        assert step(drafter, ["a", "b"], [h, h], [[2], [2]]) == [[], []]
+    assert drafter.stats()["errors"] == 6
+    assert drafter.stats()["active_requests"] == 0
+
+
+def test_error_in_start_is_contained(drafter, monkeypatch):
+    orig = drafter.proposer.start
+
+    def bad_start(req_id, tokens):
+        if req_id == "a":
+            raise MemoryError("no room")
+        orig(req_id, tokens)
+
+    monkeypatch.setattr(drafter.proposer, "start", bad_start)
+    drafts = step(drafter, ["a", "b"], [[1, 2, 1, 2], [3, 4, 3, 4]], [[2], [4]])
+    assert drafts == [[], [3, 4]]
+    assert drafter.stats()["errors"] == 1
+    assert drafter.stats()["active_requests"] == 1

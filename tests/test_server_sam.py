@@ -1,0 +1,117 @@
+"""A real ``vllm serve`` (through ``specplug vllm serve``) with SAM, queried with
+the ``openai`` client: greedy outputs equal plain decoding's, streaming and not."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+
+from helpers import chat, pick
+
+pytestmark = pytest.mark.server
+
+SAM = {"method": "sam", "num_speculative_tokens": 8}
+MAX_TOKENS = 48
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(model_path, tmp_path_factory):
+    port = _free_port()
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    cmd = [sys.executable, "-m", "vllm_specplug.cli", "vllm", "serve", model_path,
+           "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+           "--enforce-eager", "--max-model-len", "2048", "--served-model-name", "smollm2",
+           "--speculative-config", json.dumps(SAM)]
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    try:
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+            try:
+                if requests.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            if time.time() > deadline:
+                pytest.fail(f"server did not start in 300 s:\n{log.read_text()[-4000:]}")
+            time.sleep(2)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def prompts_and_reference(get_llm, spec_bench_prompts):
+    rows = pick(spec_bench_prompts, ["summarization", "rag", "coding", "writing"], 1)
+    prompts = [r["prompt"] for r in rows]
+    plain = get_llm("plain")
+    # One request at a time, as the client below sends them.
+    ref = [list(chat(plain, [p], max_tokens=MAX_TOKENS)[0].outputs[0].token_ids)
+           for p in prompts]
+    return prompts, ref
+
+
+def _client(base):
+    from openai import OpenAI
+
+    return OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=300)
+
+
+def test_served_sam_non_streaming_matches_plain(server, prompts_and_reference):
+    client = _client(server)
+    prompts, ref = prompts_and_reference
+    for p, want in zip(prompts, ref):
+        r = client.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": p}], temperature=0,
+            max_tokens=MAX_TOKENS, extra_body={"return_token_ids": True})
+        got = r.choices[0].model_extra["token_ids"]
+        assert got == want
+
+
+def test_served_sam_streaming_matches_plain(server, prompts_and_reference):
+    client = _client(server)
+    prompts, ref = prompts_and_reference
+    for p, want in zip(prompts, ref):
+        stream = client.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": p}], temperature=0,
+            max_tokens=MAX_TOKENS, stream=True, extra_body={"return_token_ids": True})
+        got: list[int] = []
+        for chunk in stream:
+            if chunk.choices:
+                got.extend(chunk.choices[0].model_extra.get("token_ids") or [])
+        assert got == want
+
+
+def test_served_spec_decode_metrics(server, prompts_and_reference):
+    prompts, _ = prompts_and_reference
+    _client(server).chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": prompts[0]}], temperature=0,
+        max_tokens=MAX_TOKENS)
+    text = requests.get(server + "/metrics", timeout=10).text
+    values = {}
+    for line in text.splitlines():
+        for name in ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_accepted_tokens_total"):
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    assert values.get("vllm:spec_decode_num_drafts_total", 0) > 0, values
+    assert values.get("vllm:spec_decode_num_accepted_tokens_total", 0) > 0, values

@@ -1,0 +1,1 @@
+"""Spec-Bench style harness on vLLM's runtime (``specplug bench``)."""

