@@ -115,3 +115,23 @@ def test_served_spec_decode_metrics(server, prompts_and_reference):
                 values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
     assert values.get("vllm:spec_decode_num_drafts_total", 0) > 0, values
     assert values.get("vllm:spec_decode_num_accepted_tokens_total", 0) > 0, values
+
+
+def test_vllm_bench_serve_spec_bench_against_sam(server, model_path, tmp_path):
+    """vLLM's own serving benchmark with its spec_bench dataset runs against us."""
+    from vllm_specplug.bench.prompts import spec_bench_path
+
+    r = subprocess.run(
+        [sys.executable, "-m", "vllm_specplug.cli", "vllm", "bench", "serve",
+         "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
+         "--base-url", server, "--model", "smollm2", "--tokenizer", model_path,
+         "--dataset-name", "spec_bench", "--dataset-path", str(spec_bench_path()),
+         "--spec-bench-category", "summarization", "--num-prompts", "3",
+         "--spec-bench-output-len", "32", "--max-concurrency", "1", "--seed", "0",
+         "--save-result", "--result-dir", str(tmp_path), "--result-filename", "sam.json"],
+        capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    res = json.loads((tmp_path / "sam.json").read_text())
+    assert res["completed"] == 3 and res.get("failed", 0) == 0
+    assert res["total_output_tokens"] > 0
+    print(r.stdout[-3000:])

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -57,6 +58,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     except BenchError as e:
         raise SystemExit(f"bench: {e}")
     md = report.write(res, Path(args.out), with_plots=not args.no_plots)
+    if args.docs:
+        command = "specplug bench " + " ".join(shlex.quote(a) for a in sys.argv[2:])
+        report.write_docs(res, Path(args.out), Path(args.docs), command)
     print(md)
     print(f"Results written to {args.out}/ (results.md, results.json, plots)")
     return 0
@@ -136,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a short run (3 prompts, 96 tokens)")
         sp.add_argument("--out", default="bench_results")
         sp.add_argument("--no-plots", action="store_true")
+        sp.add_argument("--docs", default=None, metavar="PATH",
+                        help="also write the results as a Markdown page (e.g. docs/benchmarks.md)")
         sp.set_defaults(func=cmd_bench)
 
     bench_args(sub.add_parser("bench", help="Spec-Bench style comparison"), quick=False)

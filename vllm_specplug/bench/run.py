@@ -20,18 +20,21 @@ class BenchError(RuntimeError):
 
 
 def method_config(name: str, overrides: dict[str, dict] | None = None) -> dict | None:
-    """The speculative config of a method name (ours or a baseline)."""
+    """The speculative config of a method name (ours or a baseline).
+
+    ``NAME@LABEL`` is a variant of NAME, configured by ``overrides[NAME@LABEL]``."""
     overrides = overrides or {}
-    if name in METHOD_CONFIGS:
-        cfg = METHOD_CONFIGS[name]
+    base = name.split("@", 1)[0]
+    if base in METHOD_CONFIGS:
+        cfg = METHOD_CONFIGS[base]
         cfg = None if cfg is None else dict(cfg)
     else:
         from ..registry import proposer_names
 
-        if name not in proposer_names():
-            raise BenchError(f"unknown method {name!r}; choose from "
+        if base not in proposer_names():
+            raise BenchError(f"unknown method {base!r}; choose from "
                              f"{sorted(set(METHOD_CONFIGS) | set(proposer_names()))}")
-        cfg = {"method": name, "num_speculative_tokens": 8}
+        cfg = {"method": base, "num_speculative_tokens": 8}
     if name in overrides:
         if cfg is None:
             raise BenchError("plain decoding takes no speculative config")
@@ -73,10 +76,13 @@ def environment() -> dict:
             "date": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
-def run_worker(cfg: dict, log_path: Path, on_progress=None) -> dict:
+def run_worker(cfg: dict, log_path: Path, raw_path: Path, on_progress=None) -> dict:
+    """Run one method in a fresh process; its raw results (token ids included)
+    are kept at ``raw_path``."""
     with tempfile.TemporaryDirectory() as tmp:
-        cin, cout = Path(tmp) / "in.json", Path(tmp) / "out.json"
+        cin, cout = Path(tmp) / "in.json", raw_path
         cin.write_text(json.dumps(cfg))
+        cout.unlink(missing_ok=True)
         with open(log_path, "a") as log:
             proc = subprocess.Popen([sys.executable, "-m", "vllm_specplug.bench.worker",
                                      str(cin), str(cout)], stdout=subprocess.PIPE,
@@ -108,6 +114,7 @@ def run_bench(model: str, methods: list[str], prompts: list[dict], *, max_tokens
     out_dir.mkdir(parents=True, exist_ok=True)
     log_path = out_dir / "engine.log"
     log_path.write_text("")
+    (out_dir / "raw").mkdir(exist_ok=True)
     if "plain" not in methods:
         methods = ["plain"] + methods
     methods = ["plain"] + [m for m in methods if m != "plain"]
@@ -126,7 +133,8 @@ def run_bench(model: str, methods: list[str], prompts: list[dict], *, max_tokens
         cfg = {"method_name": m, "model": model, "speculative_config": configs[m],
                "prompts": prompts, "max_tokens": max_tokens, "temperature": temperature,
                "repeat": repeat, "batch": batch, "engine": engine or {}}
-        raw[m] = run_worker(cfg, log_path, on_progress=bar.update)
+        raw[m] = run_worker(cfg, log_path, out_dir / "raw" / f"{m}.json",
+                            on_progress=bar.update)
     bar.close()
     return analyse(model, methods, configs, prompts, raw, notes, max_tokens=max_tokens,
                    temperature=temperature, repeat=repeat, batch=batch)

@@ -1,0 +1,94 @@
+"""Benchmark statistics on synthetic counter snapshots (no engine)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from vllm_specplug.bench.engine import counter_delta
+from vllm_specplug.bench.run import analyse, method_config, BenchError
+from vllm_specplug.bench.stats import Counters, speedup, summary, total
+
+
+def test_tau_counts_every_step_including_undrafted_ones():
+    # 100 tokens; 30 accepted drafts -> 70 target steps (drafted or not).
+    c = Counters(generated=100, accepted=30, drafts=20, draft_tokens=80, seconds=5.0)
+    assert c.steps == 70
+    assert c.tau == pytest.approx(100 / 70)
+    # vLLM's "mean acceptance length" would be 1 + 30/20 = 2.5: drafted steps only.
+    assert c.tau < 1 + c.accepted / c.drafts
+    assert c.tokens_per_second == pytest.approx(20.0)
+    assert c.draft_tokens_per_step == pytest.approx(80 / 70)
+    assert c.acceptance_rate == pytest.approx(30 / 80)
+
+
+def test_plain_decoding_has_tau_one():
+    c = Counters(generated=64, accepted=0, drafts=0, draft_tokens=0, seconds=2.0)
+    assert c.tau == 1.0
+    assert math.isnan(c.acceptance_rate)
+
+
+def test_per_position_rates_and_totals():
+    a = Counters(10, 4, 3, 12, 1.0, [3, 1, 0])
+    b = Counters(20, 6, 4, 16, 2.0, [3, 2, 1, 0])
+    t = total([a, b])
+    assert (t.generated, t.accepted, t.drafts, t.draft_tokens) == (30, 10, 7, 28)
+    assert t.seconds == pytest.approx(3.0)
+    assert t.accepted_per_pos == [6, 3, 1, 0]
+    assert t.acceptance_per_position() == pytest.approx([6 / 7, 3 / 7, 1 / 7, 0.0])
+
+
+def test_speedup_and_summary():
+    base = Counters(100, 0, 0, 0, 10.0)
+    spec = Counters(100, 40, 30, 90, 8.0)
+    assert speedup(spec.tokens_per_second, base.tokens_per_second) == pytest.approx(1.25)
+    s = summary(spec, base)
+    assert s["speedup"] == pytest.approx(1.25)
+    assert s["tau"] == pytest.approx(100 / 60)
+    assert math.isnan(speedup(1.0, 0.0))
+
+
+def test_counter_delta():
+    before = {"drafts": 2, "draft_tokens": 10, "accepted": 3, "accepted_per_pos": [2, 1]}
+    after = {"drafts": 5, "draft_tokens": 22, "accepted": 9, "accepted_per_pos": [4, 3, 2]}
+    d = counter_delta(after, before)
+    assert d == {"drafts": 3, "draft_tokens": 12, "accepted": 6, "accepted_per_pos": [2, 2, 2]}
+
+
+def _row(pid, cat, ids, accepted=0, seconds=1.0, drafts=0, draft_tokens=0):
+    return {"id": pid, "category": cat, "repeat": 0, "token_ids": ids, "generated": len(ids),
+            "seconds": seconds, "accepted": accepted, "drafts": drafts,
+            "draft_tokens": draft_tokens, "accepted_per_pos": []}
+
+
+def test_analyse_counts_differing_outputs_and_categories():
+    prompts = [{"id": 1, "category": "a", "prompt": "x"}, {"id": 2, "category": "b", "prompt": "y"}]
+    raw = {
+        "plain": {"engine_start_seconds": 1, "batch": None,
+                  "results": [_row(1, "a", [1, 2, 3, 4]), _row(2, "b", [5, 6])]},
+        "sam": {"engine_start_seconds": 1, "batch": None,
+                "results": [_row(1, "a", [1, 2, 3, 4], accepted=2, seconds=0.5, drafts=1,
+                                 draft_tokens=3),
+                            _row(2, "b", [5, 7], seconds=1.0)]},
+    }
+    res = analyse("m", ["plain", "sam"], {"plain": None, "sam": {"method": "sam"}}, prompts,
+                  raw, [], max_tokens=4, temperature=0.0, repeat=1, batch=False)
+    assert res["methods"]["plain"]["overall"]["tau"] == 1.0
+    assert res["methods"]["plain"]["outputs_differing_from_plain"] == 0
+    sam = res["methods"]["sam"]
+    assert sam["outputs_differing_from_plain"] == 1 and sam["differing_prompt_ids"] == [2]
+    assert sam["categories"]["a"]["tau"] == pytest.approx(4 / 2)
+    assert sam["categories"]["a"]["speedup"] == pytest.approx(2.0)
+    assert sam["categories"]["b"]["tau"] == 1.0
+    assert "token_ids" not in sam["per_prompt"][0]
+
+
+def test_method_config_variants_and_errors():
+    assert method_config("plain") is None
+    assert method_config("ngram")["prompt_lookup_max"] == 5
+    v = method_config("sam@x", {"sam@x": {"sam_min_accept_prob": 0.0}})
+    assert v == {"method": "sam", "num_speculative_tokens": 8, "sam_min_accept_prob": 0.0}
+    with pytest.raises(BenchError, match="unknown method"):
+        method_config("nope")
+    with pytest.raises(BenchError, match="plain"):
+        method_config("plain", {"plain": {"x": 1}})
