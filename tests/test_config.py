@@ -14,7 +14,11 @@ from vllm_specplug.proposers.sam import SamProposer
 from vllm_specplug.vllm_adapter.version import (SUPPORTED_VLLM_VERSIONS,
                                                 UnsupportedVLLMVersion, check_vllm_version)
 
-SAM_DEFAULTS = {"sam_min_match_len": 2, "sam_spec_factor": 4.0}
+SAM_DEFAULTS = {"sam_continuation": "frequent", "sam_min_match_len": 1,
+                "sam_min_accept_prob": 0.15, "sam_min_token_prob": 0.3,
+                "sam_spec_factor": 4.0}
+SAM_KEYS = ("sam_continuation", "sam_min_match_len", "sam_min_accept_prob",
+            "sam_min_token_prob", "sam_spec_factor")
 
 
 def test_translate_defaults():
@@ -48,8 +52,23 @@ def test_translate_options():
     assert spec == before  # the caller's dict is not modified
     assert vllm_kwargs["num_speculative_tokens"] == 5
     assert plugin == {"method": "sam", "num_speculative_tokens": 5,
-                      "options": {"sam_min_match_len": 3, "sam_spec_factor": 2.0}}
+                      "options": {**SAM_DEFAULTS, "sam_min_match_len": 3,
+                                  "sam_spec_factor": 2.0}}
     assert isinstance(plugin["options"]["sam_spec_factor"], float)
+
+
+def test_translate_new_options():
+    spec = {"method": "sam", "sam_continuation": "first", "sam_min_accept_prob": 0,
+            "sam_min_token_prob": 1}
+    _, plugin = translate(spec)
+    assert plugin["options"] == {**SAM_DEFAULTS, "sam_continuation": "first",
+                                 "sam_min_accept_prob": 0.0, "sam_min_token_prob": 1.0}
+    assert isinstance(plugin["options"]["sam_min_accept_prob"], float)
+    assert isinstance(plugin["options"]["sam_min_token_prob"], float)
+    _, plugin = translate({"method": "sam", "sam-continuation": "frequent",
+                           "sam-min-accept-prob": 0.5})
+    assert plugin["options"]["sam_continuation"] == "frequent"
+    assert plugin["options"]["sam_min_accept_prob"] == 0.5
 
 
 def test_translate_accepts_dashed_keys():
@@ -75,7 +94,7 @@ def test_unknown_key_names_it_and_lists_valid_keys():
         translate({"method": "sam", "sam_min_match": 3})
     msg = str(info.value)
     assert "'sam_min_match'" in msg
-    for key in ("method", "num_speculative_tokens", "sam_min_match_len", "sam_spec_factor"):
+    for key in ("method", "num_speculative_tokens") + SAM_KEYS:
         assert key in msg
 
 
@@ -116,6 +135,30 @@ def test_float_option_out_of_range(value):
         translate({"method": "sam", "sam_spec_factor": value})
 
 
+@pytest.mark.parametrize("value", ["fast", "First", "", None, 1, ["first"]])
+def test_continuation_must_be_a_choice(value):
+    with pytest.raises(SpecPlugConfigError, match="sam_continuation") as info:
+        translate({"method": "sam", "sam_continuation": value})
+    if isinstance(value, str):
+        msg = str(info.value)
+        assert "'frequent'" in msg and "'first'" in msg
+
+
+@pytest.mark.parametrize("key", ["sam_min_accept_prob", "sam_min_token_prob"])
+@pytest.mark.parametrize("value", [-0.01, 1.01, 2, float("inf"), float("nan"), "0.5", True, None])
+def test_probability_options_rejected(key, value):
+    with pytest.raises(SpecPlugConfigError, match=key):
+        translate({"method": "sam", key: value})
+
+
+@pytest.mark.parametrize("key", ["sam_min_accept_prob", "sam_min_token_prob"])
+@pytest.mark.parametrize("value", [0, 0.0, 0.5, 1, 1.0])
+def test_probability_options_accepted(key, value):
+    _, plugin = translate({"method": "sam", key: value})
+    assert plugin["options"][key] == float(value)
+    assert isinstance(plugin["options"][key], float)
+
+
 @pytest.mark.parametrize("key", ["model", "custom_class"])
 def test_model_key_is_rejected(key):
     with pytest.raises(SpecPlugConfigError) as info:
@@ -141,8 +184,12 @@ def test_build_proposer_defaults():
     prop = build_proposer(plugin)
     assert isinstance(prop, SamProposer)
     assert prop.num_speculative_tokens == 4
-    assert prop.min_match_len == 2
+    assert prop.continuation == "frequent"
+    assert prop.min_match_len == 1
+    assert prop.min_accept_prob == 0.15
+    assert prop.min_token_prob == 0.3
     assert prop.spec_factor == 4.0
+    assert prop.acceptance.tried.shape[1] == 4
 
 
 def test_build_proposer_applies_options():
@@ -151,6 +198,21 @@ def test_build_proposer_applies_options():
     prop = build_proposer(plugin)
     assert isinstance(prop, SamProposer)
     assert (prop.num_speculative_tokens, prop.min_match_len, prop.spec_factor) == (3, 5, 0.5)
+    _, plugin = translate({"method": "sam", "num_speculative_tokens": 6,
+                           "sam_continuation": "first", "sam_min_accept_prob": 0,
+                           "sam_min_token_prob": 0.9})
+    prop = build_proposer(plugin)
+    assert (prop.num_speculative_tokens, prop.continuation, prop.min_accept_prob,
+            prop.min_token_prob) == (6, "first", 0.0, 0.9)
+    # the options act: "first" falls back to the first occurrence of a shorter
+    # match ([1]) for more tokens; "frequent" continues the longest ([1, 3, 1])
+    ctx = [1, 2, 1, 3, 1, 3, 1]
+    prop.start("r", ctx)
+    assert prop.propose("r", 6).tokens.tolist() == [2, 1, 3, 1, 3, 1]
+    _, plugin = translate({"method": "sam", "num_speculative_tokens": 6})
+    default = build_proposer(plugin)
+    default.start("r", ctx)
+    assert default.propose("r", 6).tokens.tolist() == [3, 1]
 
 
 def test_is_plugin_method():

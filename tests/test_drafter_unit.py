@@ -83,6 +83,12 @@ def test_options_reach_the_proposer(patch_calls):
         {"method": "sam", "num_speculative_tokens": 3, "sam_min_match_len": 4,
          "sam_spec_factor": 0.5}))
     assert (d.k, d.proposer.min_match_len, d.proposer.spec_factor) == (3, 4, 0.5)
+    d = SpecPlugDrafter(make_vllm_config(
+        {"method": "sam", "num_speculative_tokens": 5, "sam_continuation": "first",
+         "sam_min_accept_prob": 0.25, "sam_min_token_prob": 0.75}))
+    assert (d.k, d.proposer.continuation, d.proposer.min_accept_prob,
+            d.proposer.min_token_prob) == (5, "first", 0.25, 0.75)
+    assert d.proposer.acceptance.tried.shape[1] == 5
 
 
 def test_missing_plugin_config_is_explained(patch_calls):
@@ -131,8 +137,27 @@ def test_rows_without_sampled_tokens_get_no_draft(drafter):
     assert drafter.stats()["active_requests"] == 2
 
 
-def test_multi_step_simulation_matches_fresh_proposer(drafter):
-    """Several requests, drafts verified against a hidden 'true' continuation."""
+# Options under which a draft depends on the request's tokens alone (no
+# learned cut), so a fresh proposer given the same history drafts the same.
+STATELESS = [{"sam_min_accept_prob": 0.0},
+             {"sam_continuation": "first", "sam_min_accept_prob": 0.0}]
+
+
+@pytest.mark.parametrize("opts", STATELESS + [{}, {"sam_continuation": "first"}],
+                         ids=["frequent", "first", "frequent-learned", "first-learned"])
+def test_multi_step_simulation_matches_fresh_proposer(patch_calls, opts):
+    """Several requests, drafts verified against a hidden 'true' continuation.
+
+    The drafter's proposer must see exactly what a proposer driven directly
+    (start with the prompt, then observe each step's committed tokens) sees:
+    same drafts, same learned acceptance table. Without the learned cut, a
+    fresh proposer given the history drafts the same too.
+    """
+    drafter = SpecPlugDrafter(make_vllm_config(
+        {"method": "sam", "num_speculative_tokens": K, **opts}))
+    direct = SamProposer(K, **opts)
+    stateless = opts.get("sam_min_accept_prob") == 0.0
+    nonempty_drafts = 0
     rng = random.Random(7)
     # each request's full text: a noisy repetitive stream (so drafts get accepted)
     truth = {}
@@ -161,23 +186,43 @@ def test_multi_step_simulation_matches_fresh_proposer(drafter):
             sampled.append(list(committed))
             hists.append(t[:pos[rid]])
         drafts = step(drafter, order, hists, sampled)
-        for rid, hist, d in zip(order, hists, drafts):
+        for rid, hist, committed, d in zip(order, hists, sampled, drafts):
+            if it == 0:
+                direct.start(rid, hist)
+            else:
+                direct.observe(rid, committed)
             assert len(d) <= K
-            assert d == fresh_draft(hist)
+            assert d == direct.propose(rid, K).tokens.tolist()
+            if stateless:
+                assert d == fresh_draft(hist, **opts)
             last_drafts[rid] = d
             total_drafted += len(d)
+            nonempty_drafts += bool(d)
         assert drafter.stats()["active_requests"] == len(order)
         assert drafter.stats()["errors"] == 0
     assert total_drafted > 0
+    acc, ref = drafter.proposer.acceptance, direct.acceptance
+    assert np.array_equal(acc.tried, ref.tried)
+    assert np.array_equal(acc.accepted, ref.accepted)
+    assert np.array_equal(acc.proposals, ref.proposals)
+    # every non-empty draft was learned from (one per step and request, but the
+    # last step's drafts, which are never verified)
+    assert acc.tried[:, 0].sum() == nonempty_drafts - sum(1 for d in drafts if d)
+    assert 0 < acc.accepted.sum() <= acc.tried.sum()
 
 
-def test_drafts_never_exceed_k(patch_calls):
-    for k in (1, 2, 4):
-        d = SpecPlugDrafter(make_vllm_config({"method": "sam", "num_speculative_tokens": k}))
-        hist = [1, 2, 3] * 20
-        drafts = step(d, ["a"], [hist], [[3]])
+@pytest.mark.parametrize("opts, hist", [
+    ({"sam_continuation": "first", "sam_min_accept_prob": 0.0}, [1, 2, 3] * 20),
+    ({"sam_continuation": "first", "sam_min_accept_prob": 0.0}, list(range(10)) * 3),
+    ({}, list(range(10)) * 3),  # "frequent": one period (10 tokens) follows the match
+])
+def test_drafts_never_exceed_k(patch_calls, opts, hist):
+    for k in (1, 2, 4, 8):
+        d = SpecPlugDrafter(make_vllm_config(
+            {"method": "sam", "num_speculative_tokens": k, **opts}))
+        drafts = step(d, ["a"], [hist], [[hist[-1]]])
         assert len(drafts[0]) == k
-        assert drafts[0] == fresh_draft(hist, k=k)
+        assert drafts[0] == fresh_draft(hist, k=k, **opts)
 
 
 def test_drafts_are_capped_even_if_the_proposer_overshoots(drafter, monkeypatch):

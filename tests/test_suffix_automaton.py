@@ -12,6 +12,7 @@ directly off the token list:
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -278,3 +279,236 @@ def test_size_bounds_small(seq):
     assert sa.num_states <= max(1, 2 * n)
     assert sa.link_steps <= LINK_STEPS_PER_TOKEN * n
     assert sa.nbytes() > 0
+
+
+# ------------------------------------------------------ frequent continuation
+EXACT = 10 ** 6  # a count depth past any test text: occurrence counts are exact
+
+
+def occurrence_starts(text, x) -> list[int]:
+    m = len(x)
+    return [s for s in range(len(text) - m + 1) if text[s:s + m] == x]
+
+
+def check_frequent_walk(text, x, tokens, probs, max_tokens: int, min_prob: float) -> None:
+    """The walk from x in text against brute force: each token is a most
+    frequent token following the walked string among its occurrences, its
+    share is that count over all continuations, and the walk stops at
+    max_tokens, where nothing follows, or where the best share < min_prob."""
+    assert isinstance(tokens, list) and isinstance(probs, list)
+    assert all(isinstance(t, int) for t in tokens)
+    assert len(tokens) == len(probs) <= max(max_tokens, 0)
+    cur = list(x)
+    starts = occurrence_starts(text, cur)
+    assert starts, "the matched string must occur in the text"
+    p = 1.0
+    for i in range(len(tokens) + 1):
+        m = len(cur)
+        counts = Counter(text[s + m] for s in starts if s + m < len(text))
+        if i == len(tokens):
+            break
+        assert counts, (cur, tokens)  # the walk stays inside the text
+        best, total = max(counts.values()), sum(counts.values())
+        t = tokens[i]
+        assert counts[t] == best, (cur, t, counts)  # a most frequent next token
+        share = best / total
+        assert share >= min_prob
+        p *= share
+        assert probs[i] == pytest.approx(p, rel=1e-12)
+        cur.append(t)
+        starts = [s for s in starts if s + m < len(text) and text[s + m] == t]
+    if len(tokens) < max_tokens:  # stopped early: why
+        assert not counts or max(counts.values()) / sum(counts.values()) < min_prob
+
+
+PROBS = st.sampled_from([0.0, 0.2, 0.25, 1 / 3, 0.5, 0.51, 2 / 3, 1.0])
+
+
+@FAST
+@given(small_alphabet_seqs(max_len=50), st.data())
+def test_frequent_continuation_against_brute_force(seq, data):
+    sa = SuffixAutomaton(count_depth=EXACT)
+    for i, t in enumerate(seq):
+        sa.append(t)
+        assert sa.match_len == bf_match_len(seq, i)
+        max_tokens = data.draw(st.integers(-1, 10), label="max_tokens")
+        min_prob = data.draw(PROBS, label="min_prob")
+        min_match = data.draw(st.integers(1, 3), label="min_match")
+        tokens, probs = sa.frequent_continuation(max_tokens, min_prob, min_match)
+        if sa.match_len < min_match or max_tokens <= 0:
+            assert (tokens, probs) == ([], [])
+            continue
+        text = seq[:i + 1]
+        x = text[len(text) - sa.match_len:]
+        check_frequent_walk(text, x, tokens, probs, max_tokens, min_prob)
+        # the match occurred earlier, so at least one token follows it
+        if min_prob == 0.0:
+            assert len(tokens) >= 1
+
+
+@FAST
+@given(small_alphabet_seqs(max_len=50), st.integers(1, 10), PROBS)
+def test_frequent_continuation_from_the_root(seq, max_tokens, min_prob):
+    # min_match 0 with an empty match walks from the empty string: every
+    # position is an occurrence
+    sa = SuffixAutomaton(seq, count_depth=EXACT)
+    tokens, probs = sa.frequent_continuation(max_tokens, min_prob, 0, match=(0, 0))
+    check_frequent_walk(seq, [], tokens, probs, max_tokens, min_prob)
+
+
+def test_frequent_continuation_example():
+    # [1] is followed by 2 once and by 3 twice; [1, 3] by 4 twice; [1, 3, 4] by
+    # 9 and by 1 (a tie at 1/2); then the walk is forced
+    seq = [1, 2, 1, 3, 4, 9, 1, 3, 4, 1]
+    sa = SuffixAutomaton(seq, count_depth=EXACT)
+    assert sa.match_len == 1
+    tokens, probs = sa.frequent_continuation(8, 0.0)
+    assert tokens == [3, 4, 9, 1, 3, 4, 1]  # [1, 3, 4, 9, 1, 3, 4, 1] is the end
+    assert probs == pytest.approx([2 / 3, 2 / 3, 1 / 3, 1 / 3, 1 / 3, 1 / 3, 1 / 3])
+    # min_prob bounds each step's share (2/3, 1, 1/2, ...), not their product
+    assert sa.frequent_continuation(8, 0.5)[0] == tokens
+    assert sa.frequent_continuation(8, 0.51) == ([3, 4], pytest.approx([2 / 3, 2 / 3]))
+    assert sa.frequent_continuation(8, 0.7) == ([], [])
+    assert sa.frequent_continuation(1, 0.0) == ([3], pytest.approx([2 / 3]))
+    assert sa.frequent_continuation(0, 0.0) == ([], [])
+    assert sa.frequent_continuation(8, 0.0, min_match=2) == ([], [])
+    # the default depth used by SamProposer counts these short texts exactly
+    assert SuffixAutomaton(seq, count_depth=32).frequent_continuation(8, 0.0)[0] == tokens
+
+
+def test_frequent_continuation_needs_counts():
+    sa = SuffixAutomaton([1, 2, 1])
+    with pytest.raises(ValueError, match="count_depth"):
+        sa.frequent_continuation(4, 0.3)
+    assert SuffixAutomaton([1, 2, 1], count_depth=1).frequent_continuation(4, 0.3)[0] == [2, 1]
+
+
+@FAST
+@given(small_alphabet_seqs(max_len=60), st.integers(1, 8), PROBS, st.integers(1, 3))
+def test_frequent_continuation_with_any_depth_stays_in_the_text(seq, max_tokens, min_prob,
+                                                                  depth):
+    # a small count depth undercounts short strings, so the choice may differ
+    # from the exact one, but every walked string still occurred in the text
+    sa = SuffixAutomaton(seq, count_depth=depth)
+    tokens, probs = sa.frequent_continuation(max_tokens, min_prob)
+    assert len(tokens) == len(probs) <= max_tokens
+    if sa.match_len == 0:
+        assert tokens == []
+        return
+    walked = seq[len(seq) - sa.match_len:] + tokens
+    assert occurrence_starts(seq, walked)
+    assert all(0 < p <= 1 for p in probs)
+    assert all(a >= b for a, b in zip(probs, probs[1:]))
+
+
+@FAST
+@given(small_alphabet_seqs(max_len=40), st.integers(1, 8), PROBS)
+def test_frequent_continuation_depth_past_the_text_is_exact(seq, max_tokens, min_prob):
+    exact = SuffixAutomaton(seq, count_depth=EXACT)
+    deep = SuffixAutomaton(seq, count_depth=len(seq) + 1)
+    assert deep.frequent_continuation(max_tokens, min_prob) == exact.frequent_continuation(
+        max_tokens, min_prob)
+    assert deep.num_states == exact.num_states == SuffixAutomaton(seq).num_states
+    assert deep.match_len == exact.match_len
+
+
+# ------------------------------------------- advance: a query against the text
+def bf_longest_substring_suffix(text, query) -> int:
+    """Longest suffix of query that is a substring of text."""
+    for length in range(len(query), 0, -1):
+        if occurrence_starts(text, query[len(query) - length:]):
+            return length
+    return 0
+
+
+@st.composite
+def text_and_query(draw, max_len: int = 40):
+    k = draw(st.integers(1, 4))
+    text = draw(st.lists(st.integers(0, k - 1), max_size=max_len))
+    # the query: pieces of the text and tokens (some not in the text)
+    query: list[int] = []
+    for _ in range(draw(st.integers(0, 6))):
+        if text and draw(st.booleans()):
+            a = draw(st.integers(0, len(text) - 1))
+            b = draw(st.integers(a, min(len(text), a + 12)))
+            query += text[a:b]
+        else:
+            query += draw(st.lists(st.integers(0, k), max_size=4))
+    return text, query
+
+
+@FAST
+@given(text_and_query(), st.data())
+def test_advance_matches_a_query_against_another_text(tq, data):
+    text, query = tq
+    sa = SuffixAutomaton(text, count_depth=EXACT)
+    frozen = (list(sa.tokens), sa.num_states, sa.match_state, sa.match_len)
+    s, l = 0, 0
+    for i, t in enumerate(query):
+        s, l = sa.advance(s, l, t)
+        assert l == bf_longest_substring_suffix(text, query[:i + 1]), (text, query[:i + 1])
+        if l == 0:
+            assert s == 0
+        x = query[i + 1 - l:i + 1]
+        # frequent_continuation from this match walks the other text
+        max_tokens = data.draw(st.integers(1, 8), label="max_tokens")
+        min_prob = data.draw(PROBS, label="min_prob")
+        min_match = data.draw(st.integers(1, 3), label="min_match")
+        tokens, probs = sa.frequent_continuation(max_tokens, min_prob, min_match, match=(s, l))
+        if l < min_match:
+            assert (tokens, probs) == ([], [])
+        else:
+            check_frequent_walk(text, x, tokens, probs, max_tokens, min_prob)
+        # and so does continuation (first occurrences, shorter matches if needed)
+        length, cont = sa.continuation(max_tokens, min_match, match=(s, l))
+        if l < min_match:
+            assert (length, cont) == (l, [])
+            continue
+        assert min_match <= length <= l
+        e = first_end(text, x[len(x) - length:])
+        assert cont == text[e + 1:e + 1 + max_tokens]
+        if length < l:
+            assert len(text) - 1 - first_end(text, x) < max_tokens
+    # matching a query does not change the automaton or its running match
+    assert (list(sa.tokens), sa.num_states, sa.match_state, sa.match_len) == frozen
+
+
+def first_end(text, x) -> int:
+    return occurrence_starts(text, x)[0] + len(x) - 1
+
+
+def test_advance_example():
+    sa = SuffixAutomaton([1, 2, 3, 4, 2, 3, 5])
+    got = []
+    s, l = 0, 0
+    for t in [9, 2, 3, 4, 2, 3, 5, 1, 2, 7]:
+        s, l = sa.advance(s, l, t)
+        got.append(l)
+    assert got == [0, 1, 2, 3, 4, 5, 6, 1, 2, 0]  # [1], [1, 2] start the text
+    # [2, 3] first occurs ending at 2: continuation(match=...) copies what follows
+    s, l = 0, 0
+    for t in [8, 2, 3]:
+        s, l = sa.advance(s, l, t)
+    assert l == 2
+    assert sa.continuation(3, 1, match=(s, l)) == (2, [4, 2, 3])
+    # at the end of the text: [3, 5] has nothing after it, and [5] neither
+    s, l = sa.advance(s, l, 5)
+    assert l == 3  # [2, 3, 5]
+    assert sa.continuation(3, 1, match=(s, l)) == (3, [])
+    # an empty automaton matches nothing
+    empty = SuffixAutomaton()
+    assert empty.advance(0, 0, 1) == (0, 0)
+
+
+@FAST
+@given(small_alphabet_seqs(max_len=50))
+def test_running_match_is_advance_over_the_text_before(seq):
+    # the running match after appending t is advance() of the previous match over
+    # the automaton before t
+    sa = SuffixAutomaton(count_depth=EXACT)
+    for t in seq:
+        steps = sa.link_steps
+        expected = sa.advance(sa.match_state, sa.match_len, t)
+        sa.link_steps = steps
+        sa.append(t)
+        assert sa.match_len == expected[1]

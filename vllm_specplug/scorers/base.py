@@ -1,0 +1,36 @@
+"""The scorer interface.
+
+``target_probs`` has one row per tree position: row 0 is the target's
+next-token distribution after the last committed token (the root), row i+1
+the distribution after node i (temperature, top-k/top-p and penalties
+already applied, as plain sampling would). ``draft_probs`` (optional) row i
+is the distribution node i's token was drawn from; without it drafts count
+as deterministic (one-hot).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..proposers.base import Draft
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    path: list[int]   # accepted node indices, root's child first
+    bonus: int        # the token emitted after the last accepted node
+
+    def tokens(self, draft: Draft) -> list[int]:
+        return [int(draft.tokens[i]) for i in self.path] + [self.bonus]
+
+
+class Scorer(ABC):
+    name: str
+    lossless: bool = True
+
+    @abstractmethod
+    def accept(self, draft: Draft, target_probs: np.ndarray,
+               draft_probs: np.ndarray | None, rng: np.random.Generator) -> Acceptance:
+        ...
