@@ -205,14 +205,15 @@ def test_build_proposer_applies_options():
     assert (prop.num_speculative_tokens, prop.continuation, prop.min_accept_prob,
             prop.min_token_prob) == (6, "first", 0.0, 0.9)
     # the options act: "first" falls back to the first occurrence of a shorter
-    # match ([1]) for more tokens; "frequent" continues the longest ([1, 3, 1])
+    # match ([1]) for more tokens; "frequent" continues the longest ([1, 3, 1]),
+    # and where that walk reaches the end of the text, continues [1, 3, 1] again
     ctx = [1, 2, 1, 3, 1, 3, 1]
     prop.start("r", ctx)
     assert prop.propose("r", 6).tokens.tolist() == [2, 1, 3, 1, 3, 1]
     _, plugin = translate({"method": "sam", "num_speculative_tokens": 6})
     default = build_proposer(plugin)
     default.start("r", ctx)
-    assert default.propose("r", 6).tokens.tolist() == [3, 1]
+    assert default.propose("r", 6).tokens.tolist() == [3, 1, 3, 1, 3, 1]
 
 
 def test_is_plugin_method():

@@ -72,7 +72,7 @@ def test_construction(patch_calls):
     assert d.k == K
     assert isinstance(d.proposer, SamProposer)
     assert d.proposer.num_speculative_tokens == K
-    assert d.stats() == {"active_requests": 0, "state_bytes": 0, "errors": 0}
+    assert d.stats() == {"active_requests": 0, "state_bytes": 0, "errors": 0, "trees_held": 0}
     target = object()
     d.load_model(target)
     assert d.target_model is target
@@ -99,13 +99,28 @@ def test_missing_plugin_config_is_explained(patch_calls):
             SpecPlugDrafter(cfg)
 
 
-def test_tree_proposers_are_refused(patch_calls, monkeypatch):
-    import vllm_specplug.vllm_adapter.drafter as drafter_mod
+def test_tree_proposers_install_tree_patches_and_keep_parents(patch_calls, monkeypatch):
+    import numpy as np
 
-    monkeypatch.setattr(drafter_mod, "build_proposer",
-                        lambda plugin: SimpleNamespace(drafts_trees=True))
-    with pytest.raises(NotImplementedError, match="tree"):
-        SpecPlugDrafter(make_vllm_config())
+    import vllm_specplug.vllm_adapter as adapter
+    from vllm_specplug.config import translate
+
+    tree_calls = []
+    monkeypatch.setattr(adapter, "install_tree_patches", lambda: tree_calls.append(1))
+    _, plugin = translate({"method": "debug_random_tree", "num_speculative_tokens": 6})
+    cfg = SimpleNamespace(additional_config={"specplug": plugin},
+                          speculative_config=SimpleNamespace(num_speculative_tokens=6))
+    d = SpecPlugDrafter(cfg)
+    assert tree_calls == [1]
+    d.begin_step(["a"], None)
+    num_tokens, token_ids = arrays([[1, 2, 3]])
+    drafts = d.propose([[3]], num_tokens, token_ids)
+    assert len(drafts[0]) == 6
+    parents = d.trees["a"]
+    assert parents.shape == (6,) and np.all(parents < np.arange(6))
+    assert d.stats()["trees_held"] == 1
+    d.finish_request("a")
+    assert d.stats()["trees_held"] == 0 and d.stats()["active_requests"] == 0
 
 
 def test_propose_without_begin_step(drafter):
@@ -234,7 +249,8 @@ def test_drafts_are_capped_even_if_the_proposer_overshoots(drafter, monkeypatch)
 
 def test_draft_values_are_python_ints(drafter):
     drafts = step(drafter, ["a"], [[1, 2, 3, 1, 2]], [[2]])
-    assert drafts == [[3, 1, 2]]
+    # "frequent": 3 1 2 reaches the end of the text, then [1, 2] again: 3
+    assert drafts == [[3, 1, 2, 3]]
     assert all(type(t) is int for t in drafts[0])
 
 
@@ -299,13 +315,13 @@ def test_changed_history_at_same_count_rebuilds_with_new_draft(drafter):
     assert step(drafter, ["a"], [old], [[2]]) == [[3, 7, 8, 9]]
     new = [1, 2, 3, 7, 8, 9, 8, 9]
     drafts = step(drafter, ["a"], [new], [[9]])
-    assert drafts == [fresh_draft(new)] == [[8, 9]]
+    assert drafts == [fresh_draft(new)] == [[8, 9, 8, 9]]
 
 
 def test_shrunk_history_rebuilds(drafter):
     step(drafter, ["a"], [[4, 5, 6, 4, 5, 6, 4, 5]], [[5]])
     hist = [4, 5, 6, 4, 5]  # fewer tokens than seen: recomputation from scratch
-    assert step(drafter, ["a"], [hist], [[5]]) == [fresh_draft(hist)] == [[6, 4, 5]]
+    assert step(drafter, ["a"], [hist], [[5]]) == [fresh_draft(hist)] == [[6, 4, 5, 6]]
 
 
 def test_changed_token_behind_new_tokens_rebuilds(drafter):
@@ -371,6 +387,6 @@ def test_error_in_start_is_contained(drafter, monkeypatch):
 
     monkeypatch.setattr(drafter.proposer, "start", bad_start)
     drafts = step(drafter, ["a", "b"], [[1, 2, 1, 2], [3, 4, 3, 4]], [[2], [4]])
-    assert drafts == [[], [3, 4]]
+    assert drafts == [[], [3, 4, 3, 4]]
     assert drafter.stats()["errors"] == 1
     assert drafter.stats()["active_requests"] == 1

@@ -7,7 +7,10 @@ directly off the token list:
   also occurs ending at an earlier position j < i;
 * ``match_end()`` is an end position of such an earlier occurrence (the first);
 * ``continuation`` returns what follows the first earlier occurrence of a
-  suffix of the text of the returned length.
+  suffix of the text of the returned length;
+* ``frequent_continuation`` takes, step by step, a most frequent token after
+  the occurrences of its context (the match and the tokens drafted so far, or,
+  where nothing follows that, a shorter suffix of it: see ``walk_contexts``).
 """
 from __future__ import annotations
 
@@ -290,35 +293,75 @@ def occurrence_starts(text, x) -> list[int]:
     return [s for s in range(len(text) - m + 1) if text[s:s + m] == x]
 
 
-def check_frequent_walk(text, x, tokens, probs, max_tokens: int, min_prob: float) -> None:
+def end_positions(text, c) -> frozenset:
+    """endpos(c): where the occurrences of c in text end (-1 too for the empty string)."""
+    if not c:
+        return frozenset(range(-1, len(text)))
+    return frozenset(s + len(c) - 1 for s in occurrence_starts(text, c))
+
+
+def next_counts(text, c) -> Counter:
+    """How often each token follows an occurrence of c in text."""
+    return Counter(text[e + 1] for e in end_positions(text, c) if e + 1 < len(text))
+
+
+def shorter_context(text, c):
+    """The longest proper suffix of c with other end positions than c (the
+    longest string of the suffix-link state), or [] (the root) if none."""
+    ep = end_positions(text, c)
+    for length in range(len(c) - 1, 0, -1):
+        if end_positions(text, c[len(c) - length:]) != ep:
+            return c[len(c) - length:]
+    return []
+
+
+def walk_contexts(text, x, tokens, min_match: int):
+    """The contexts of the walk from x that drafted ``tokens``: before step i the
+    context is what was walked so far (x, then each drafted token appended); when
+    nothing follows it in the text, it falls back to shorter_context while that is
+    not the root and at least min_match long. Yields (context, counts) for each
+    step, then (None or the context, counts) where the walk stopped; the context
+    is None when it ran out of continuations."""
+    c = list(x)
+    for i in range(len(tokens) + 1):
+        counts = next_counts(text, c)
+        while not counts:
+            c = shorter_context(text, c)
+            if not c or len(c) < min_match:
+                yield None, Counter()
+                return
+            counts = next_counts(text, c)
+        yield c, counts
+        if i < len(tokens):
+            c = c + [tokens[i]]
+
+
+def check_frequent_walk(text, x, tokens, probs, max_tokens: int, min_prob: float,
+                        min_match: int) -> None:
     """The walk from x in text against brute force: each token is a most
-    frequent token following the walked string among its occurrences, its
-    share is that count over all continuations, and the walk stops at
-    max_tokens, where nothing follows, or where the best share < min_prob."""
+    frequent token following the walk's context (x and the tokens so far, or,
+    where nothing follows that, its shorter_context), its share is that count
+    over all continuations, and the walk stops at max_tokens, where no context of
+    at least min_match tokens (and not empty) is continued, or where the best
+    share < min_prob. Needs exact counts."""
     assert isinstance(tokens, list) and isinstance(probs, list)
     assert all(isinstance(t, int) for t in tokens)
     assert len(tokens) == len(probs) <= max(max_tokens, 0)
-    cur = list(x)
-    starts = occurrence_starts(text, cur)
-    assert starts, "the matched string must occur in the text"
+    assert occurrence_starts(text, list(x)), "the matched string must occur in the text"
     p = 1.0
-    for i in range(len(tokens) + 1):
-        m = len(cur)
-        counts = Counter(text[s + m] for s in starts if s + m < len(text))
-        if i == len(tokens):
-            break
-        assert counts, (cur, tokens)  # the walk stays inside the text
+    steps = list(walk_contexts(text, x, tokens, min_match))
+    assert len(steps) == len(tokens) + 1, (x, tokens, steps)  # no step from a dead end
+    for i, t in enumerate(tokens):
+        c, counts = steps[i]
         best, total = max(counts.values()), sum(counts.values())
-        t = tokens[i]
-        assert counts[t] == best, (cur, t, counts)  # a most frequent next token
+        assert counts[t] == best, (c, t, counts)  # a most frequent next token
         share = best / total
         assert share >= min_prob
         p *= share
         assert probs[i] == pytest.approx(p, rel=1e-12)
-        cur.append(t)
-        starts = [s for s in starts if s + m < len(text) and text[s + m] == t]
     if len(tokens) < max_tokens:  # stopped early: why
-        assert not counts or max(counts.values()) / sum(counts.values()) < min_prob
+        c, counts = steps[-1]
+        assert c is None or max(counts.values()) / sum(counts.values()) < min_prob, (c, counts)
 
 
 PROBS = st.sampled_from([0.0, 0.2, 0.25, 1 / 3, 0.5, 0.51, 2 / 3, 1.0])
@@ -340,7 +383,7 @@ def test_frequent_continuation_against_brute_force(seq, data):
             continue
         text = seq[:i + 1]
         x = text[len(text) - sa.match_len:]
-        check_frequent_walk(text, x, tokens, probs, max_tokens, min_prob)
+        check_frequent_walk(text, x, tokens, probs, max_tokens, min_prob, min_match)
         # the match occurred earlier, so at least one token follows it
         if min_prob == 0.0:
             assert len(tokens) >= 1
@@ -353,20 +396,23 @@ def test_frequent_continuation_from_the_root(seq, max_tokens, min_prob):
     # position is an occurrence
     sa = SuffixAutomaton(seq, count_depth=EXACT)
     tokens, probs = sa.frequent_continuation(max_tokens, min_prob, 0, match=(0, 0))
-    check_frequent_walk(seq, [], tokens, probs, max_tokens, min_prob)
+    check_frequent_walk(seq, [], tokens, probs, max_tokens, min_prob, 0)
 
 
 def test_frequent_continuation_example():
     # [1] is followed by 2 once and by 3 twice; [1, 3] by 4 twice; [1, 3, 4] by
-    # 9 and by 1 (a tie at 1/2); then the walk is forced
+    # 9 and by 1 (a tie at 1/2); then the walk is forced up to the end of the
+    # text: [1, 3, 4, 9, 1, 3, 4, 1] occurs only there, so the walk falls back to
+    # its longest suffix that occurs elsewhere, the match [1], and goes on (3 at 2/3)
     seq = [1, 2, 1, 3, 4, 9, 1, 3, 4, 1]
     sa = SuffixAutomaton(seq, count_depth=EXACT)
     assert sa.match_len == 1
     tokens, probs = sa.frequent_continuation(8, 0.0)
-    assert tokens == [3, 4, 9, 1, 3, 4, 1]  # [1, 3, 4, 9, 1, 3, 4, 1] is the end
-    assert probs == pytest.approx([2 / 3, 2 / 3, 1 / 3, 1 / 3, 1 / 3, 1 / 3, 1 / 3])
-    # min_prob bounds each step's share (2/3, 1, 1/2, ...), not their product
+    assert tokens == [3, 4, 9, 1, 3, 4, 1, 3]
+    assert probs == pytest.approx([2 / 3, 2 / 3, 1 / 3, 1 / 3, 1 / 3, 1 / 3, 1 / 3, 2 / 9])
+    # min_prob bounds each step's share (2/3, 1, 1/2, 1, 1, 1, 1, 2/3), not their product
     assert sa.frequent_continuation(8, 0.5)[0] == tokens
+    assert sa.frequent_continuation(7, 0.0)[0] == tokens[:7]
     assert sa.frequent_continuation(8, 0.51) == ([3, 4], pytest.approx([2 / 3, 2 / 3]))
     assert sa.frequent_continuation(8, 0.7) == ([], [])
     assert sa.frequent_continuation(1, 0.0) == ([3], pytest.approx([2 / 3]))
@@ -380,25 +426,82 @@ def test_frequent_continuation_needs_counts():
     sa = SuffixAutomaton([1, 2, 1])
     with pytest.raises(ValueError, match="count_depth"):
         sa.frequent_continuation(4, 0.3)
-    assert SuffixAutomaton([1, 2, 1], count_depth=1).frequent_continuation(4, 0.3)[0] == [2, 1]
+    # [1] -> 2 -> 1 reaches the end of the text; [1, 2, 1] falls back to [1]
+    assert SuffixAutomaton([1, 2, 1], count_depth=1).frequent_continuation(4, 0.3)[0] == [
+        2, 1, 2, 1]
+
+
+@pytest.mark.parametrize("pattern", [[7], [1, 2, 3], [4, 8, 15, 16, 23, 42, 4, 8]])
+def test_frequent_continuation_on_a_periodic_text(pattern):
+    # the match (all but the first period) occurs once earlier, with one period
+    # after it; at the end of the text the walk falls back to the match again
+    seq = pattern * 20
+    sa = SuffixAutomaton(seq, count_depth=EXACT)
+    n, p = len(seq), len(pattern)
+    assert sa.match_len == n - p
+    tokens, probs = sa.frequent_continuation(30, 0.9)
+    assert tokens == [pattern[(n + k) % p] for k in range(30)]
+    assert probs == [1.0] * 30
+    # a min_match above the match: nothing; at the match: the fallback is allowed
+    assert sa.frequent_continuation(30, 0.9, min_match=n - p + 1) == ([], [])
+    assert sa.frequent_continuation(30, 0.9, min_match=n - p)[0] == tokens
+
+
+def test_frequent_continuation_falls_back_only_to_min_match():
+    # a query continued in another text: [3, 4, 5] is followed by 6 at the end
+    # of the text; [3, 4, 5, 6] occurs nowhere else, and its longest suffix that
+    # does is [6] (at the start), followed by 1 2 3 4 5 6, then [6] again
+    text = [6, 1, 2, 3, 4, 5, 6]
+    sa = SuffixAutomaton(text, count_depth=EXACT)
+    s, l = 0, 0
+    for t in [9, 3, 4, 5]:
+        s, l = sa.advance(s, l, t)
+    assert l == 3
+    assert sa.frequent_continuation(10, 0.0, 1, match=(s, l)) == (
+        [6, 1, 2, 3, 4, 5, 6, 1, 2, 3], [1.0] * 10)
+    assert sa.frequent_continuation(10, 0.0, 2, match=(s, l)) == ([6], [1.0])  # [6] < 2
+    assert sa.frequent_continuation(10, 0.0, 3, match=(s, l)) == ([6], [1.0])
+    assert sa.frequent_continuation(10, 0.0, 4, match=(s, l)) == ([], [])
+    # from the root (min_match 0): 6 is the most frequent token (2/7); [6] then
+    # [6, 1] ... [6, 1, 2, 3, 4, 5, 6] reach the end, whose longest suffix
+    # occurring elsewhere is [6]; never the root
+    tokens, probs = sa.frequent_continuation(9, 0.0, 0, match=(0, 0))
+    assert tokens == [6, 1, 2, 3, 4, 5, 6, 1, 2]
+    assert probs == pytest.approx([2 / 7] * 9)
+    # a text whose last token occurs nowhere else: from the root the walk takes
+    # 1 (2/3), then 1 or 2 (a tie at 1/2), and stops after 2 (every suffix of a
+    # context ending in 2 occurs only at the end: its shorter context is the root)
+    sa = SuffixAutomaton([1, 1, 2], count_depth=EXACT)
+    tokens, probs = sa.frequent_continuation(5, 0.0, 0, match=(0, 0))
+    assert tokens in ([1, 1, 2], [1, 2])
+    check_frequent_walk([1, 1, 2], [], tokens, probs, 5, 0.0, 0)
 
 
 @FAST
-@given(small_alphabet_seqs(max_len=60), st.integers(1, 8), PROBS, st.integers(1, 3))
+@given(small_alphabet_seqs(max_len=60), st.integers(1, 8), PROBS, st.integers(1, 3),
+       st.integers(1, 3))
 def test_frequent_continuation_with_any_depth_stays_in_the_text(seq, max_tokens, min_prob,
-                                                                  depth):
+                                                                  depth, min_match):
     # a small count depth undercounts short strings, so the choice may differ
-    # from the exact one, but every walked string still occurred in the text
+    # from the exact one, but every token followed an occurrence of the walk's
+    # context, and the walk ends early only where it may
     sa = SuffixAutomaton(seq, count_depth=depth)
-    tokens, probs = sa.frequent_continuation(max_tokens, min_prob)
+    tokens, probs = sa.frequent_continuation(max_tokens, min_prob, min_match)
     assert len(tokens) == len(probs) <= max_tokens
-    if sa.match_len == 0:
+    if sa.match_len < min_match:
         assert tokens == []
         return
-    walked = seq[len(seq) - sa.match_len:] + tokens
-    assert occurrence_starts(seq, walked)
+    x = seq[len(seq) - sa.match_len:]
+    steps = list(walk_contexts(seq, x, tokens, min_match))
+    assert len(steps) == len(tokens) + 1
+    for (c, counts), t in zip(steps, tokens):
+        assert len(c) >= min_match and counts[t] > 0, (c, t, counts)
     assert all(0 < p <= 1 for p in probs)
     assert all(a >= b for a, b in zip(probs, probs[1:]))
+    # the match occurred earlier and is never left for a context below it: the
+    # walk goes on (min_prob 0 stops nothing) up to max_tokens
+    if min_prob == 0.0:
+        assert len(tokens) == max_tokens
 
 
 @FAST
@@ -458,7 +561,7 @@ def test_advance_matches_a_query_against_another_text(tq, data):
         if l < min_match:
             assert (tokens, probs) == ([], [])
         else:
-            check_frequent_walk(text, x, tokens, probs, max_tokens, min_prob)
+            check_frequent_walk(text, x, tokens, probs, max_tokens, min_prob, min_match)
         # and so does continuation (first occurrences, shorter matches if needed)
         length, cont = sa.continuation(max_tokens, min_match, match=(s, l))
         if l < min_match:

@@ -17,6 +17,9 @@ PROPOSER_GROUP = "vllm_specplug.proposers"
 
 BUILTIN_PROPOSERS: dict[str, str] = {
     "sam": "vllm_specplug.proposers.sam:SamProposer",
+    # For tests of tree verification, not for speed:
+    "debug_oracle_tree": "vllm_specplug.proposers.testing:OracleTreeProposer",
+    "debug_random_tree": "vllm_specplug.proposers.testing:RandomTreeProposer",
 }
 
 _loaded: dict[str, type[Proposer]] | None = None

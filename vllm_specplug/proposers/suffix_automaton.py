@@ -203,8 +203,13 @@ class SuffixAutomaton:
         p = 1.0
         while len(tokens) < max_tokens:
             d = nxt[s]
-            if not d:
-                break
+            while not d:
+                # No earlier continuation of the whole matched text (e.g. one
+                # period of a repetition): continue a shorter suffix of it.
+                s = self._link[s]
+                if s <= 0 or self._len[s] < min_match:
+                    return tokens, probs
+                d = nxt[s]
             best_t, best_s, best_c, total = -1, -1, -1, 0
             for t, v in d.items():
                 c = cnt[v]

@@ -29,6 +29,18 @@ def _request_removed_patch(original):
     return make_on_request_state_removed(original)
 
 
+def _tree_prepare_patch(original):
+    from .tree_runtime import make_prepare_inputs
+
+    return make_prepare_inputs(original)
+
+
+def _tree_sample_patch(original):
+    from .tree_runtime import make_sample
+
+    return make_sample(original)
+
+
 ENGINE_ARGS_PATCH = Patch(
     name="EngineArgs.create_speculative_config",
     module="vllm.engine.arg_utils", cls="EngineArgs", attr="create_speculative_config",
@@ -51,7 +63,24 @@ REQUEST_REMOVED_PATCH = Patch(
     why="free a request's proposer state as soon as it finishes or is aborted "
         "(preempted requests are freed when they leave the batch)")
 
-PATCHES = (ENGINE_ARGS_PATCH, RUNNER_PATCH, REQUEST_REMOVED_PATCH)
+TREE_PREPARE_PATCH = Patch(
+    name="GPUModelRunner._prepare_inputs",
+    module="vllm.v1.worker.gpu_model_runner", cls="GPUModelRunner", attr="_prepare_inputs",
+    make=_tree_prepare_patch,
+    why="tree drafts: position ids base + depth for draft nodes; collect the step's trees")
+
+TREE_SAMPLE_PATCH = Patch(
+    name="GPUModelRunner._sample",
+    module="vllm.v1.worker.gpu_model_runner", cls="GPUModelRunner", attr="_sample",
+    make=_tree_sample_patch,
+    why="tree drafts: accept a root-to-node path (greedy or multi-branch rejection "
+        "sampling) and compact its KV")
+
+#: The attention backend that replaces CPU_ATTN when a tree method is used.
+TREE_ATTENTION_BACKEND = "vllm_specplug.vllm_adapter.tree_attention.TreeCPUAttentionBackend"
+
+PATCHES = (ENGINE_ARGS_PATCH, RUNNER_PATCH, REQUEST_REMOVED_PATCH, TREE_PREPARE_PATCH,
+           TREE_SAMPLE_PATCH)
 
 
 def install() -> None:
@@ -62,6 +91,21 @@ def install() -> None:
 def install_worker_patches() -> None:
     apply(RUNNER_PATCH)
     apply(REQUEST_REMOVED_PATCH)
+
+
+def install_tree_patches() -> None:
+    """Worker patches for tree verification (CPU attention path)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        raise NotImplementedError(
+            "vllm_specplug tree verification runs on vLLM's CPU attention path in this "
+            "release; the CUDA path is not written yet")
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    register_backend(AttentionBackendEnum.CPU_ATTN, TREE_ATTENTION_BACKEND)
+    apply(TREE_PREPARE_PATCH)
+    apply(TREE_SAMPLE_PATCH)
 
 
 __all__ = ["APPLIED", "PATCHES", "SUPPORTED_VLLM_VERSIONS", "UnsupportedVLLMVersion",

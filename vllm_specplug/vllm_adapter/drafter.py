@@ -16,6 +16,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Sequence
 
+import numpy as np
+
 from ..config import ADDITIONAL_CONFIG_KEY, build_proposer
 
 logger = logging.getLogger("vllm_specplug")
@@ -23,7 +25,7 @@ logger = logging.getLogger("vllm_specplug")
 
 class SpecPlugDrafter:
     def __init__(self, vllm_config: Any) -> None:
-        from . import install_worker_patches
+        from . import install_tree_patches, install_worker_patches
 
         plugin = (getattr(vllm_config, "additional_config", None) or {}).get(
             ADDITIONAL_CONFIG_KEY)
@@ -36,16 +38,16 @@ class SpecPlugDrafter:
         self.method = plugin["method"]
         self.k = int(vllm_config.speculative_config.num_speculative_tokens)
         self.proposer = build_proposer(plugin)
-        if self.proposer.drafts_trees:
-            raise NotImplementedError(
-                f"method {self.method!r} drafts trees; tree verification is not available in "
-                "this vllm-specplug build")
+        # req_id -> parents of the tree drafted last (chains are not stored)
+        self.trees: dict[str, np.ndarray] = {}
         # req_id -> (number of tokens observed, last token observed)
         self._seen: dict[str, tuple[int, int]] = {}
         self._row_req_ids: Sequence[str] | None = None
         self.target_model = None
         self.num_errors = 0
         install_worker_patches()
+        if self.proposer.drafts_trees:
+            install_tree_patches()
 
     # vLLM's CPU runner calls this unconditionally; model-free methods ignore it.
     def load_model(self, target_model: Any) -> None:
@@ -95,6 +97,10 @@ class SpecPlugDrafter:
             self.proposer.start(req_id, token_ids_cpu[row, :n].tolist())
         self._seen[req_id] = (n, int(token_ids_cpu[row, n - 1]))
         draft = self.proposer.propose(req_id, self.k)
+        if draft.parents is not None and not draft.is_chain:
+            self.trees[req_id] = draft.parents[: self.k]
+        else:
+            self.trees.pop(req_id, None)
         return draft.tokens[: self.k].tolist()
 
     def finish_request(self, req_id: str) -> None:
@@ -104,10 +110,19 @@ class SpecPlugDrafter:
 
     def _forget(self, req_id: str) -> None:
         self._seen.pop(req_id, None)
+        self.trees.pop(req_id, None)
         self.proposer.finish(req_id)
 
     # ------------------------------------------------------------ introspection
     def stats(self) -> dict[str, int]:
-        return {"active_requests": self.proposer.active_requests(),
-                "state_bytes": self.proposer.state_nbytes(),
-                "errors": self.num_errors}
+        out = {"active_requests": self.proposer.active_requests(),
+               "state_bytes": self.proposer.state_nbytes(),
+               "errors": self.num_errors, "trees_held": len(self.trees)}
+        debug = getattr(self.proposer, "debug_stats", None)
+        if debug is not None:
+            out["proposer"] = debug()
+        if self.proposer.drafts_trees:
+            from .tree_runtime import STEP
+
+            out["tree"] = dict(STEP.stats)
+        return out
