@@ -15,7 +15,7 @@ from vllm_specplug.vllm_adapter.version import (SUPPORTED_VLLM_VERSIONS,
                                                 UnsupportedVLLMVersion, check_vllm_version)
 
 SAM_DEFAULTS = {"sam_continuation": "frequent", "sam_min_match_len": 1,
-                "sam_min_accept_prob": 0.15, "sam_min_token_prob": 0.3,
+                "sam_min_accept_prob": 0.1, "sam_min_token_prob": 0.0,
                 "sam_spec_factor": 4.0}
 SAM_KEYS = ("sam_continuation", "sam_min_match_len", "sam_min_accept_prob",
             "sam_min_token_prob", "sam_spec_factor")
@@ -186,8 +186,8 @@ def test_build_proposer_defaults():
     assert prop.num_speculative_tokens == 4
     assert prop.continuation == "frequent"
     assert prop.min_match_len == 1
-    assert prop.min_accept_prob == 0.15
-    assert prop.min_token_prob == 0.3
+    assert prop.min_accept_prob == 0.1
+    assert prop.min_token_prob == 0.0
     assert prop.spec_factor == 4.0
     assert prop.acceptance.tried.shape[1] == 4
 

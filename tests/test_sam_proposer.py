@@ -20,7 +20,7 @@ CTX = [1, 2, 3, 4, 5, 1, 2, 3]  # match [1, 2, 3] (length 3), then 4 5 1 2 3 fol
 # without the learned cut: drafts depend on the context alone.
 FIRST = {"sam_continuation": "first", "sam_min_accept_prob": 0.0}
 DEFAULTS = {"sam_continuation": "frequent", "sam_min_match_len": 1,
-            "sam_min_accept_prob": 0.15, "sam_min_token_prob": 0.3, "sam_spec_factor": 4.0}
+            "sam_min_accept_prob": 0.1, "sam_min_token_prob": 0.0, "sam_spec_factor": 4.0}
 # On CTX every earlier occurrence has a single continuation, so both ways of
 # continuing draft the same tokens as far as "first" goes (and a fresh acceptance
 # table cuts nothing): "first" copies the 5 tokens after [1, 2, 3] and stops at
@@ -76,8 +76,8 @@ def test_is_a_registered_proposer():
     assert prop.num_speculative_tokens == 4
     assert prop.continuation == "frequent"
     assert prop.min_match_len == 1
-    assert prop.min_accept_prob == 0.15
-    assert prop.min_token_prob == 0.3
+    assert prop.min_accept_prob == 0.1
+    assert prop.min_token_prob == 0.0
     assert prop.spec_factor == 4.0
     assert isinstance(prop.acceptance, AcceptanceByMatchLength)
     assert prop.acceptance.tried.shape == (MAX_BUCKET + 1, 4)
@@ -517,7 +517,7 @@ def test_min_accept_prob_cuts_the_draft():
 
 
 def test_acceptance_table_is_shared_by_requests():
-    prop = SamProposer(8, sam_continuation="first")
+    prop = SamProposer(8, sam_continuation="first", sam_min_accept_prob=0.15)
     for i in range(5):  # five drafts from a match of length 3, all rejected
         rid = f"r{i}"
         prop.start(rid, CTX)
@@ -538,8 +538,9 @@ WRONG_PROMPT = [A, 1000]
 WRONG_OUT = [tok for i in range(1, 80) for tok in (A, 1000 + i)]
 
 
-@pytest.mark.parametrize("opts", [{"sam_continuation": "first"},
-                                  {"sam_continuation": "frequent", "sam_min_token_prob": 0.0}],
+@pytest.mark.parametrize("opts", [{"sam_continuation": "first", "sam_min_accept_prob": 0.15},
+                                  {"sam_continuation": "frequent", "sam_min_token_prob": 0.0,
+                                   "sam_min_accept_prob": 0.15}],
                          ids=["first", "frequent"])
 def test_learned_cut_shrinks_drafts_that_are_always_wrong(opts):
     prop = RecordingSam(8, **opts)

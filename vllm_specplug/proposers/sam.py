@@ -87,10 +87,10 @@ class SamProposer(Proposer):
         Option("sam_min_match_len", int, 1,
                "no draft when the longest earlier match is shorter than this",
                minimum=1, maximum=1024),
-        Option("sam_min_accept_prob", float, 0.15,
+        Option("sam_min_accept_prob", float, 0.1,
                "cut the draft where the learned chance that it is still accepted falls "
                "below this (0: never cut)", minimum=0.0, maximum=1.0),
-        Option("sam_min_token_prob", float, 0.3,
+        Option("sam_min_token_prob", float, 0.0,
                "'frequent': stop at a token that followed less often than this share",
                minimum=0.0, maximum=1.0),
         Option("sam_spec_factor", float, 4.0,
@@ -99,8 +99,8 @@ class SamProposer(Proposer):
     )
 
     def __init__(self, num_speculative_tokens: int, sam_continuation: str = "frequent",
-                 sam_min_match_len: int = 1, sam_min_accept_prob: float = 0.15,
-                 sam_min_token_prob: float = 0.3, sam_spec_factor: float = 4.0) -> None:
+                 sam_min_match_len: int = 1, sam_min_accept_prob: float = 0.1,
+                 sam_min_token_prob: float = 0.0, sam_spec_factor: float = 4.0) -> None:
         self.num_speculative_tokens = int(num_speculative_tokens)
         self.continuation = sam_continuation
         self.min_match_len = int(sam_min_match_len)
