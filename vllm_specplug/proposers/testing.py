@@ -5,8 +5,9 @@
   true continuation at a random branch and depth among wrong siblings. With
   greedy verification each step must accept exactly the hidden depth; it
   counts steps where that did not happen (``debug_stats``).
-* ``debug_random_tree``: random tokens in a random tree; everything is
-  (almost surely) rejected, and output must still equal plain decoding's.
+* ``debug_random_tree``: random tokens (from ``random_tokens`` if given) in
+  a random tree, a function of the context; output must still equal plain
+  decoding's (greedy) or be distributed as plain sampling.
 """
 from __future__ import annotations
 
@@ -132,13 +133,28 @@ class RandomTreeProposer(_ContextTracking):
     drafts_trees: ClassVar[bool] = True
     options: ClassVar[tuple[Option, ...]] = (
         Option("random_seed", int, 0, "random seed", minimum=0),
+        Option("random_tokens", str, "",
+               "comma-separated token ids to draw from (default: ids 0..49151)",
+               check=lambda v: None if all(t.strip().isdigit() for t in v.split(",") if v)
+               else "expected comma-separated token ids"),
+        Option("random_shape", str, "tree", "a random tree, or a chain of random tokens",
+               choices=("tree", "chain")),
     )
 
-    def __init__(self, num_speculative_tokens: int, random_seed: int = 0) -> None:
+    def __init__(self, num_speculative_tokens: int, random_seed: int = 0,
+                 random_tokens: str = "", random_shape: str = "tree") -> None:
         super().__init__(num_speculative_tokens)
-        self.rng = np.random.default_rng(random_seed)
+        self.chain = random_shape == "chain"
+        self.seed = random_seed
+        self.vocab = (np.array([int(t) for t in random_tokens.split(",")])
+                      if random_tokens else None)
 
     def propose(self, req_id: str, budget: int) -> Draft:
         n = min(budget, self.num_speculative_tokens)
-        parents = [int(self.rng.integers(-1, i)) for i in range(n)]
-        return Draft(self.rng.integers(0, 49152, size=n), np.array(parents, dtype=np.int32))
+        # Deterministic in the context, so a seeded request is reproducible.
+        ctx = self._ctx[req_id]
+        rng = np.random.default_rng([self.seed, len(ctx), ctx[-1] if ctx else 0])
+        parents = [i - 1 if self.chain else int(rng.integers(-1, i)) for i in range(n)]
+        tokens = (rng.choice(self.vocab, size=n) if self.vocab is not None
+                  else rng.integers(0, 49152, size=n))
+        return Draft(tokens, np.array(parents, dtype=np.int32))
