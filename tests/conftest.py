@@ -20,23 +20,36 @@ def model_path() -> str:
     return default_model_path()
 
 
+# At most this many engines stay alive (each holds ~3 GB here); the least
+# recently used one is shut down to make room.
+MAX_LIVE_ENGINES = 2
+
+
+def _shutdown(llm) -> None:
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:  # noqa: BLE001
+        pass
+
+
 @pytest.fixture(scope="session")
 def get_llm(model_path):
     """``get_llm(name, speculative_config)`` -> a shared vLLM ``LLM``."""
     from vllm_specplug.bench.engine import build_llm
 
     def get(name: str, speculative_config: dict | None = None, **overrides):
-        if name not in _ENGINES:
-            _ENGINES[name] = build_llm(model_path, speculative_config,
-                                       max_model_len=2048, **overrides)
+        if name in _ENGINES:
+            _ENGINES[name] = _ENGINES.pop(name)  # most recently used last
+            return _ENGINES[name]
+        while len(_ENGINES) >= MAX_LIVE_ENGINES:
+            _shutdown(_ENGINES.pop(next(iter(_ENGINES))))
+        _ENGINES[name] = build_llm(model_path, speculative_config, max_model_len=2048,
+                                   **overrides)
         return _ENGINES[name]
 
     yield get
     for llm in _ENGINES.values():
-        try:
-            llm.llm_engine.engine_core.shutdown()
-        except Exception:  # noqa: BLE001
-            pass
+        _shutdown(llm)
     _ENGINES.clear()
 
 

@@ -73,9 +73,14 @@ def _first_three(llm):
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.8, top_k=6, max_tokens=3)
-    msgs = [[{"role": "user", "content": SAMPLING_PROMPT}]] * N_SAMPLES
-    outs = llm.chat(msgs, params, use_tqdm=False)
-    return [tuple(o.outputs[0].token_ids) for o in outs]
+    # In batches of 200: with thousands of requests at once (drafts truncated
+    # by the token budget), vLLM 0.32's own rejection sampler died in
+    # apply_top_k_only on an empty tensor here.
+    out = []
+    for _ in range(N_SAMPLES // 200):
+        msgs = [[{"role": "user", "content": SAMPLING_PROMPT}]] * 200
+        out += [tuple(o.outputs[0].token_ids) for o in llm.chat(msgs, params, use_tqdm=False)]
+    return out
 
 
 def _chi2_same_distribution(a, b) -> float:

@@ -35,19 +35,15 @@ def _blocks(kv_cache: torch.Tensor) -> torch.Tensor:
 
 def gather(kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values at ``slots`` (block * block_size + offset), each
-    ``[len(slots), num_kv_heads, head_size]``."""
+    ``[len(slots), num_kv_heads, head_size]``; reads only those entries."""
     nb, h, bs, two_d = kv_cache.shape
     d = two_d // 2
     flat = _blocks(kv_cache)
     blk = torch.div(slots, bs, rounding_mode="floor")
     off = slots - blk * bs
-    per = flat[blk]                                   # [L, H, bs*2d]
-    keys = per[:, :, : bs * d].view(-1, h, d, bs)     # [L, H, D, bs]
-    vals = per[:, :, bs * d:].view(-1, h, bs, d)      # [L, H, bs, D]
-    idx = off.view(-1, 1, 1, 1)
-    k = torch.gather(keys, 3, idx.expand(-1, h, d, 1)).squeeze(3)
-    v = torch.gather(vals, 2, idx.expand(-1, h, 1, d)).squeeze(2)
-    return k, v
+    keys = flat[:, :, : bs * d].view(nb, h, d, bs)
+    vals = flat[:, :, bs * d:].view(nb, h, bs, d)
+    return keys[blk, :, :, off], vals[blk, :, off, :]
 
 
 def move(kv_cache: torch.Tensor, src: list[int], dst: list[int]) -> None:
