@@ -5,7 +5,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-pipi() { "$PY" -m pip install --disable-pip-version-check -q "$@" 2>&1 | grep -v -E "^WARNING: (Location|Running pip as)" || true; }
+pipi() {
+  local out
+  if ! out=$("$PY" -m pip install --disable-pip-version-check -q "$@" 2>&1); then
+    echo "$out" >&2
+    echo "setup: pip install $* failed" >&2
+    exit 1
+  fi
+  echo "$out" | grep -v -E "^WARNING: (Location|Running pip as)" || true
+}
 have() { "$PY" - "$@" <<'PYEOF'
 import sys, importlib.metadata as md
 name, want = sys.argv[1], sys.argv[2]
