@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from functools import lru_cache
 from pathlib import Path
 
@@ -69,25 +70,28 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _is_current(out: Path, gguf: Path) -> bool:
+    """Whether ``out`` holds a conversion of ``gguf`` by this code version."""
+    marker = out / _MARKER
+    if not marker.exists():
+        return False
+    info = json.loads(marker.read_text())
+    return (info.get("conversion_version") == CONVERSION_VERSION
+            and info.get("gguf_size") == gguf.stat().st_size)
+
+
 def default_model_path() -> str:
     """Path of the converted embedded model, converting it on first use."""
     gguf = find_gguf()
     out = cache_root() / "models" / DEFAULT_MODEL_NAME
-    marker = out / _MARKER
-    if marker.exists():
-        info = json.loads(marker.read_text())
-        if (info.get("conversion_version") == CONVERSION_VERSION
-                and info.get("gguf_size") == gguf.stat().st_size):
-            return str(out)
+    if _is_current(out, gguf):
+        return str(out)
     from filelock import FileLock
 
     out.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(out) + ".lock"):
-        if marker.exists():
-            info = json.loads(marker.read_text())
-            if (info.get("conversion_version") == CONVERSION_VERSION
-                    and info.get("gguf_size") == gguf.stat().st_size):
-                return str(out)
+        if _is_current(out, gguf):  # another process converted it meanwhile
+            return str(out)
         convert_gguf(gguf, out)
     return str(out)
 
@@ -99,13 +103,11 @@ def convert_gguf(gguf: Path, out: Path) -> None:
 
     tmp = out.with_name(out.name + ".tmp")
     if tmp.exists():
-        import shutil
-
         shutil.rmtree(tmp)
     model = AutoModelForCausalLM.from_pretrained(
         str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    pre = _gguf_metadata(gguf).get("tokenizer.ggml.pre")
+    pre = _gguf_tokenizer_fields(str(gguf)).get("tokenizer.ggml.pre")
     if pre == "smollm":
         tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Digits(individual_digits=True),
@@ -134,18 +136,12 @@ def convert_gguf(gguf: Path, out: Path) -> None:
         "pre_tokenizer": pre,
     }, indent=1))
     if out.exists():
-        import shutil
-
         shutil.rmtree(out)
     tmp.rename(out)
 
 
 # --------------------------------------------------------------------------
 # Reference tokenizer straight from the GGUF (vocabulary, merges, pre-type).
-
-def _gguf_metadata(gguf: Path) -> dict:
-    return _gguf_tokenizer_fields(str(gguf))
-
 
 @lru_cache(maxsize=2)
 def _gguf_tokenizer_fields(path: str) -> dict:

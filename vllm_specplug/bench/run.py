@@ -115,8 +115,6 @@ def run_bench(model: str, methods: list[str], prompts: list[dict], *, max_tokens
     log_path = out_dir / "engine.log"
     log_path.write_text("")
     (out_dir / "raw").mkdir(exist_ok=True)
-    if "plain" not in methods:
-        methods = ["plain"] + methods
     methods = ["plain"] + [m for m in methods if m != "plain"]
     notes = []
     if "suffix" in methods and not suffix_available():

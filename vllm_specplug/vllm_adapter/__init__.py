@@ -11,40 +11,21 @@ from .patching import APPLIED, Patch, apply, applied_names
 from .version import SUPPORTED_VLLM_VERSIONS, UnsupportedVLLMVersion, check_vllm_version
 
 
-def _engine_args_patch(original):
-    from .engine_args import make_create_speculative_config
+def _lazy(module: str, factory: str):
+    """A patch maker that imports ``factory`` from ``module`` only when applied
+    (the worker-side modules import vLLM internals)."""
+    def make(original):
+        import importlib
 
-    return make_create_speculative_config(original)
+        return getattr(importlib.import_module(module, __name__), factory)(original)
 
-
-def _runner_patch(original):
-    from .runner import make_propose_draft_token_ids
-
-    return make_propose_draft_token_ids(original)
-
-
-def _request_removed_patch(original):
-    from .runner import make_on_request_state_removed
-
-    return make_on_request_state_removed(original)
-
-
-def _tree_prepare_patch(original):
-    from .tree_runtime import make_prepare_inputs
-
-    return make_prepare_inputs(original)
-
-
-def _tree_sample_patch(original):
-    from .tree_runtime import make_sample
-
-    return make_sample(original)
+    return make
 
 
 ENGINE_ARGS_PATCH = Patch(
     name="EngineArgs.create_speculative_config",
     module="vllm.engine.arg_utils", cls="EngineArgs", attr="create_speculative_config",
-    make=_engine_args_patch,
+    make=_lazy(".engine_args", "make_create_speculative_config"),
     why="accept our method names and keys in --speculative-config; validate them "
         "before the engine starts; map them onto custom_class + additional_config")
 
@@ -52,27 +33,27 @@ RUNNER_PATCH = Patch(
     name="GPUModelRunner.propose_draft_token_ids",
     module="vllm.v1.worker.gpu_model_runner", cls="GPUModelRunner",
     attr="propose_draft_token_ids",
-    make=_runner_patch,
+    make=_lazy(".runner", "make_propose_draft_token_ids"),
     why="hand our drafter each batch row's request id and the scheduler output")
 
 REQUEST_REMOVED_PATCH = Patch(
     name="GPUModelRunner._on_request_state_removed",
     module="vllm.v1.worker.gpu_model_runner", cls="GPUModelRunner",
     attr="_on_request_state_removed",
-    make=_request_removed_patch,
+    make=_lazy(".runner", "make_on_request_state_removed"),
     why="free a request's proposer state as soon as it finishes or is aborted "
         "(preempted requests are freed when they leave the batch)")
 
 TREE_PREPARE_PATCH = Patch(
     name="GPUModelRunner._prepare_inputs",
     module="vllm.v1.worker.gpu_model_runner", cls="GPUModelRunner", attr="_prepare_inputs",
-    make=_tree_prepare_patch,
+    make=_lazy(".tree_runtime", "make_prepare_inputs"),
     why="tree drafts: position ids base + depth for draft nodes; collect the step's trees")
 
 TREE_SAMPLE_PATCH = Patch(
     name="GPUModelRunner._sample",
     module="vllm.v1.worker.gpu_model_runner", cls="GPUModelRunner", attr="_sample",
-    make=_tree_sample_patch,
+    make=_lazy(".tree_runtime", "make_sample"),
     why="tree drafts: accept a root-to-node path (greedy or multi-branch rejection "
         "sampling) and compact its KV")
 
