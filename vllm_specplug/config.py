@@ -65,24 +65,36 @@ def translate(spec: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     cls = get_proposer_class(method)
     k = spec.pop("num_speculative_tokens", None)
     if k is None:
-        k = DEFAULT_NUM_SPECULATIVE_TOKENS
+        k = cls.default_num_speculative_tokens
+    auto = k == "auto"
+    if auto:
+        if not cls.auto_budget_max:
+            raise SpecPlugConfigError(
+                f"speculative_config['num_speculative_tokens'] = \"auto\" is not supported by "
+                f"method {method!r}; give an integer in [1, {MAX_NUM_SPECULATIVE_TOKENS}]")
+        k = cls.auto_budget_max
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_NUM_SPECULATIVE_TOKENS:
+        also = ' or "auto"' if cls.auto_budget_max else ""
         raise SpecPlugConfigError(
             f"speculative_config['num_speculative_tokens'] for method {method!r} must be an "
-            f"integer in [1, {MAX_NUM_SPECULATIVE_TOKENS}], got {k!r}")
+            f"integer in [1, {MAX_NUM_SPECULATIVE_TOKENS}]{also}, got {k!r}")
     for taken in ("model", "custom_class"):
         if taken in spec:
             raise SpecPlugConfigError(
                 f"speculative_config[{taken!r}] is not used by method {method!r}; remove it. "
                 f"Valid keys: {valid_keys_text(cls.options)}")
     options = validate_options(method, cls.options, spec)
+    cls.check_options(k, options)
     vllm_kwargs = {"method": "custom_class", "model": DRAFTER_CLASS_PATH,
                    "num_speculative_tokens": k}
     plugin = {"method": method, "num_speculative_tokens": k, "options": options}
+    if cls.auto_budget_max:
+        plugin["auto_budget"] = auto
     return vllm_kwargs, plugin
 
 
 def build_proposer(plugin: Mapping[str, Any]):
     """Instantiate the proposer described by a ``translate`` plugin config."""
     cls = get_proposer_class(plugin["method"])
-    return cls(plugin["num_speculative_tokens"], **plugin["options"])
+    extra = {"auto_budget": plugin["auto_budget"]} if "auto_budget" in plugin else {}
+    return cls(plugin["num_speculative_tokens"], **plugin["options"], **extra)

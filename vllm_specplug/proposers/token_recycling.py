@@ -1,0 +1,373 @@
+"""Token Recycling (Luo et al., ACL 2025, arXiv 2408.08696): training-free
+tree drafting from the target's own recycled top-k candidates.
+
+State, shared by all requests and kept across them: an adjacency matrix whose
+row t holds the k tokens the target most recently ranked highest after token
+t (``-1``: not seen yet). After every verify forward, the row of each scored
+position's input token (the last committed token and every draft node,
+rejected ones included) is replaced by the target's top-k there.
+
+Drafting fills a tree template breadth-first from the last committed token: a
+template node is a path of candidate ranks, e.g. ``(0, 2)`` = the root's best
+candidate, then that token's third candidate. Nodes whose row is still empty
+are dropped with their subtrees.
+
+Templates:
+
+* ``"auto"`` (default): the ``num_speculative_tokens`` paths of highest
+  estimated acceptance, where a path's estimate is the product of the
+  measured hit rate of each rank it takes (how often the committed next token
+  was the r-th candidate of the previous token's row). Re-derived as the
+  rates move; a best-first selection, so a prefix of the node order is itself
+  a tree (vLLM's scheduler may cut drafts to a prefix).
+* ``"paper"``: the paper's shape, 80 nodes over 6 levels (8/21/25/15/8/3
+  nodes per level), each level filled with the best-estimated children of the
+  level above under a fixed prior over ranks; cut to the node budget.
+* a path to a JSON file: a list of rank paths, e.g. ``[[0], [1], [0, 0]]``.
+
+Per request only the last committed token is kept.
+"""
+from __future__ import annotations
+
+import heapq
+import json
+import os
+from typing import ClassVar, Sequence
+
+import numpy as np
+
+from ..budget import best_node_count
+from ..options import Option, SpecPlugConfigError
+from .base import Draft, Proposer, TargetTopK
+
+PAPER_LEVEL_SIZES = (8, 21, 25, 15, 8, 3)
+# Prior hit rate per candidate rank (before measurements; also the "paper"
+# template's ranking). Decreasing in rank.
+PRIOR_RANK_RATE = np.array([0.45, 0.12, 0.06, 0.04, 0.03, 0.02, 0.015, 0.01])
+# Templates are re-derived from the measured rates every this many updates.
+RETEMPLATE_EVERY = 256
+# Rate counts are halved past this many transitions, so estimates follow the workload.
+RATE_HORIZON = 1 << 16
+MAX_TEMPLATE_DEPTH = 16
+ROW_GROWTH = 4096
+
+
+def _check_template(value: str) -> str | None:
+    if value in ("auto", "paper"):
+        return None
+    if not os.path.isfile(value):
+        return (f"no file {value!r}; give \"auto\", \"paper\" or the path of a JSON list "
+                f"of rank paths such as [[0], [1], [0, 0]]")
+    return None
+
+
+def _check_matrix(value: str) -> str | None:
+    if value and not os.path.isfile(value):
+        return f"no file {value!r}; give the path of a .npy matrix (specplug build-tr)"
+    return None
+
+
+def rank_rates(prior: np.ndarray, hits: np.ndarray, total: float, k: int) -> np.ndarray:
+    """Hit rate per rank: measured, with the prior as 16 pseudo-observations."""
+    p = np.zeros(k)
+    m = min(k, prior.size)
+    p[:m] = prior[:m]
+    return (hits[:k] + 16.0 * p) / (total + 16.0)
+
+
+def best_first_template(rates: np.ndarray, budget: int,
+                        max_depth: int = MAX_TEMPLATE_DEPTH) -> list[tuple[int, ...]]:
+    """The ``budget`` rank paths of highest product of rates, best first.
+
+    A child's value never exceeds its parent's, and a node enters the frontier
+    only once its parent is taken, so every prefix of the result is a tree.
+    """
+    order = np.argsort(-rates, kind="stable")
+    heap: list[tuple[float, int, tuple[int, ...]]] = []
+    counter = 0
+    for r in order:
+        heapq.heappush(heap, (-float(rates[r]), counter, (int(r),)))
+        counter += 1
+    out: list[tuple[int, ...]] = []
+    while heap and len(out) < budget:
+        neg, _, path = heapq.heappop(heap)
+        out.append(path)
+        if len(path) < max_depth:
+            for r in order:
+                heapq.heappush(heap, (neg * float(rates[r]), counter, path + (int(r),)))
+                counter += 1
+    return out
+
+
+def paper_template(rates: np.ndarray, budget: int) -> list[tuple[int, ...]]:
+    """The paper's level sizes, each level the best children of the level above."""
+    value = {(): 1.0}
+    levels: list[list[tuple[int, ...]]] = [[()]]
+    for size in PAPER_LEVEL_SIZES:
+        cands = [(value[p] * float(rates[r]), p + (r,))
+                 for p in levels[-1] for r in range(rates.size)]
+        cands.sort(key=lambda c: -c[0])
+        level = [path for _, path in cands[:size]]
+        for v, path in cands[:size]:
+            value[path] = v
+        levels.append(level)
+    nodes = [p for level in levels[1:] for p in level]
+    # best first (parents precede children: a child's value <= its parent's;
+    # ties broken by depth)
+    nodes.sort(key=lambda p: (-value[p], len(p)))
+    return nodes[:budget]
+
+
+def load_template(path: str, k: int) -> list[tuple[int, ...]]:
+    """A JSON list of rank paths; every prefix of a path must be listed."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as e:
+        raise SpecPlugConfigError(f"tr_template {path!r} is not readable JSON: {e}") from e
+    if not isinstance(raw, list) or not raw:
+        raise SpecPlugConfigError(f"tr_template {path!r} must be a non-empty JSON list of "
+                                  f"rank paths such as [[0], [1], [0, 0]]")
+    paths: list[tuple[int, ...]] = []
+    seen: set[tuple[int, ...]] = set()
+    for item in raw:
+        if (not isinstance(item, list) or not item or not all(
+                isinstance(r, int) and not isinstance(r, bool) for r in item)):
+            raise SpecPlugConfigError(
+                f"tr_template {path!r}: {item!r} is not a non-empty list of integer ranks")
+        p = tuple(item)
+        if any(not 0 <= r < k for r in p):
+            raise SpecPlugConfigError(
+                f"tr_template {path!r}: path {list(p)} uses a rank outside [0, tr_topk={k})")
+        if p in seen:
+            raise SpecPlugConfigError(f"tr_template {path!r}: path {list(p)} is listed twice")
+        seen.add(p)
+        paths.append(p)
+    for p in paths:
+        if len(p) > 1 and p[:-1] not in seen:
+            raise SpecPlugConfigError(
+                f"tr_template {path!r}: path {list(p)} has no parent {list(p[:-1])} listed")
+    # parents first (stable: keep the file's order within a depth)
+    paths.sort(key=len)
+    return paths
+
+
+def load_matrix(path: str, k: int) -> np.ndarray:
+    """A saved adjacency matrix (.npy, no pickle): int, 2-D, at least k columns."""
+    try:
+        m = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise SpecPlugConfigError(
+            f"tr_matrix {path!r} is not a readable .npy array (pickled files are refused): "
+            f"{e}") from e
+    if m.ndim != 2 or not np.issubdtype(m.dtype, np.integer):
+        raise SpecPlugConfigError(
+            f"tr_matrix {path!r} must be a 2-D integer array, got {m.dtype} {m.shape}")
+    if m.shape[1] < k:
+        raise SpecPlugConfigError(
+            f"tr_matrix {path!r} has {m.shape[1]} candidates per row; tr_topk={k} needs "
+            f"at least that many")
+    if m.size and (m.min() < -1 or m.max() >= 2**31 - 1):
+        raise SpecPlugConfigError(f"tr_matrix {path!r} holds values outside [-1, 2^31)")
+    return np.ascontiguousarray(m[:, :k], dtype=np.int32)
+
+
+class TokenRecyclingProposer(Proposer):
+    name: ClassVar[str] = "token_recycling"
+    drafts_trees: ClassVar[bool] = True
+    wants_target_topk: ClassVar[bool] = True
+    auto_budget_max: ClassVar[int] = 64
+    default_num_speculative_tokens: ClassVar[int | str] = "auto"
+    options: ClassVar[tuple[Option, ...]] = (
+        Option("tr_topk", int, 8, "candidates kept per token (matrix columns)",
+               minimum=1, maximum=32),
+        Option("tr_template", str, "auto",
+               "tree template: \"auto\" (best-first from measured rank hit rates), "
+               "\"paper\" (80 nodes, 6 levels) or a JSON file of rank paths",
+               check=_check_template),
+        Option("tr_matrix", str, "", "warm-start adjacency matrix (.npy from "
+               "specplug build-tr); empty: start empty", check=_check_matrix),
+        Option("tr_prompt_bigrams", bool, True,
+               "fill still-empty rows from the prompt's own bigrams at request start"),
+    )
+
+    @classmethod
+    def check_options(cls, num_speculative_tokens: int, options: dict) -> None:
+        k = options["tr_topk"]
+        if options["tr_template"] not in ("auto", "paper"):
+            load_template(options["tr_template"], k)
+        if options["tr_matrix"]:
+            load_matrix(options["tr_matrix"], k)
+
+    def __init__(self, num_speculative_tokens: int, tr_topk: int = 8,
+                 tr_template: str = "auto", tr_matrix: str = "",
+                 tr_prompt_bigrams: bool = True, auto_budget: bool = False) -> None:
+        self.budget = int(num_speculative_tokens)
+        self.auto_budget = bool(auto_budget)
+        self.k = int(tr_topk)
+        self.target_topk_k = self.k
+        self.template_kind = tr_template
+        self.prompt_bigrams = bool(tr_prompt_bigrams)
+        self.matrix = (load_matrix(tr_matrix, self.k) if tr_matrix
+                       else np.full((0, self.k), -1, dtype=np.int32))
+        self.fixed_template = (load_template(tr_template, self.k)
+                               if tr_template not in ("auto", "paper") else None)
+        self.rank_hits = np.zeros(self.k + 1)   # last slot: not among the candidates
+        self.transitions = 0.0
+        self._updates = 0
+        self._template_cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._last: dict[str, int] = {}
+        self.stats = {"drafts": 0, "nodes": 0, "matrix_updates": 0, "topk_misaligned": 0}
+
+    # ------------------------------------------------------------ matrix
+    def _ensure_rows(self, max_id: int) -> None:
+        if max_id < self.matrix.shape[0]:
+            return
+        rows = (max_id // ROW_GROWTH + 1) * ROW_GROWTH
+        grown = np.full((rows, self.k), -1, dtype=np.int32)
+        grown[: self.matrix.shape[0]] = self.matrix
+        self.matrix = grown
+
+    def update(self, input_ids: np.ndarray, topk_ids: np.ndarray) -> None:
+        """Rows ``input_ids`` become the target's top-k (later rows win ties)."""
+        input_ids = np.asarray(input_ids, dtype=np.int64)
+        if input_ids.size == 0:
+            return
+        topk_ids = np.asarray(topk_ids)[:, : self.k]
+        self._ensure_rows(int(max(input_ids.max(), topk_ids.max())))
+        self.matrix[input_ids, : topk_ids.shape[1]] = topk_ids
+        self.stats["matrix_updates"] += int(input_ids.size)
+
+    def _record_transitions(self, prev: int, committed: Sequence[int]) -> None:
+        """Which rank of the previous token's row each committed token had."""
+        rows = self.matrix.shape[0]
+        for t in committed:
+            t = int(t)
+            if 0 <= prev < rows:
+                hit = np.flatnonzero(self.matrix[prev] == t)
+                self.rank_hits[hit[0] if hit.size else self.k] += 1
+                self.transitions += 1
+            prev = t
+        if self.transitions > RATE_HORIZON:
+            self.rank_hits *= 0.5
+            self.transitions *= 0.5
+
+    def rates(self) -> np.ndarray:
+        return rank_rates(PRIOR_RANK_RATE, self.rank_hits, self.transitions, self.k)
+
+    # ------------------------------------------------------------ template
+    def template(self, budget: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(ranks, parents, values) of the template cut to ``budget`` nodes; a
+        node's value estimates the chance it lies on the accepted path."""
+        cached = self._template_cache.get(budget)
+        if cached is not None:
+            return cached
+        if self.fixed_template is not None:
+            paths = self.fixed_template[:budget]
+        elif self.template_kind == "paper":
+            paths = paper_template(rank_rates(PRIOR_RANK_RATE, np.zeros(self.k + 1), 0, self.k),
+                                   budget)
+        else:
+            paths = best_first_template(self.rates(), budget)
+        index = {p: i for i, p in enumerate(paths)}
+        ranks = np.array([p[-1] for p in paths], dtype=np.int32)
+        parents = np.array([index[p[:-1]] if len(p) > 1 else -1 for p in paths],
+                           dtype=np.int32)
+        rates = self.rates()
+        values = np.array([float(np.prod(rates[list(p)])) for p in paths])
+        self._template_cache[budget] = (ranks, parents, values)
+        return ranks, parents, values
+
+    # ------------------------------------------------------------ proposer API
+    def start(self, req_id: str, token_ids: Sequence[int]) -> None:
+        ids = np.asarray(token_ids, dtype=np.int64)
+        if ids.size == 0:
+            return
+        self._last[req_id] = int(ids[-1])
+        if self.prompt_bigrams and ids.size > 1:
+            self._ensure_rows(int(ids.max()))
+            prev, nxt = ids[:-1], ids[1:]
+            empty = self.matrix[prev, 0] < 0
+            # most recent occurrence wins (later assignments overwrite)
+            self.matrix[prev[empty], 0] = nxt[empty]
+
+    def observe(self, req_id: str, committed_ids: Sequence[int],
+                target_topk: TargetTopK | None = None) -> None:
+        prev = self._last.get(req_id, -1)
+        # (at a request's start the first sampled token is already in its
+        # state, so only later steps can be checked)
+        if committed_ids and target_topk is not None and target_topk.input_ids.size \
+                and prev >= 0 \
+                and int(target_topk.input_ids[0]) != prev:
+            # the first scored position must be the last committed token
+            self.stats["topk_misaligned"] += 1
+        if committed_ids:
+            self._record_transitions(prev, committed_ids)
+            self._last[req_id] = int(committed_ids[-1])
+        if target_topk is not None:
+            self.update(target_topk.input_ids, target_topk.token_ids)
+            self._updates += 1
+            if self.fixed_template is None and self.template_kind == "auto" \
+                    and self._updates % RETEMPLATE_EVERY == 0:
+                self._template_cache.clear()
+
+    def propose(self, req_id: str, budget: int) -> Draft:
+        root = self._last.get(req_id)
+        budget = min(budget, self.budget)
+        if root is None or budget <= 0 or root >= self.matrix.shape[0]:
+            return Draft.empty()
+        ranks, parents, values = self.template(budget)
+        if self.auto_budget:
+            # the best n nodes by value form a tree only for best-first
+            # templates; other templates are cut in their own order
+            n = best_node_count(np.sort(values)[::-1], self.relative_token_cost, ranks.size)
+            if n == 0:
+                return Draft.empty()
+            ranks, parents = ranks[:n], parents[:n]
+        n = ranks.size
+        tokens = np.full(n, -1, dtype=np.int64)
+        rows = self.matrix.shape[0]
+        for i in range(n):
+            p = parents[i]
+            src = root if p < 0 else tokens[p]
+            if 0 <= src < rows:
+                tokens[i] = self.matrix[src, ranks[i]]
+        keep = tokens >= 0
+        if not keep.all():
+            # drop nodes whose own or an ancestor's row was empty
+            for i in range(n):
+                if keep[i] and parents[i] >= 0 and not keep[parents[i]]:
+                    keep[i] = False
+            if not keep.any():
+                return Draft.empty()
+            new_index = np.cumsum(keep) - 1
+            kept_parents = parents[keep]
+            parents_out = np.where(kept_parents < 0, -1,
+                                   new_index[np.maximum(kept_parents, 0)]).astype(np.int32)
+            tokens = tokens[keep]
+        else:
+            parents_out = parents
+        self.stats["drafts"] += 1
+        self.stats["nodes"] += int(tokens.size)
+        return Draft(tokens.astype(np.int32), parents_out)
+
+    def finish(self, req_id: str) -> None:
+        self._last.pop(req_id, None)
+
+    def active_requests(self) -> int:
+        return len(self._last)
+
+    def state_nbytes(self) -> int:
+        """Per-request state only (the shared matrix: ``matrix_nbytes``)."""
+        return 16 * len(self._last)
+
+    def matrix_nbytes(self) -> int:
+        return int(self.matrix.nbytes)
+
+    def debug_stats(self) -> dict:
+        return {**self.stats, "matrix_rows": int(self.matrix.shape[0]),
+                "matrix_bytes": self.matrix_nbytes(),
+                "rank_rates": [round(float(x), 4) for x in self.rates()]}
+
+    def save_matrix(self, path: str) -> None:
+        np.save(path, self.matrix, allow_pickle=False)

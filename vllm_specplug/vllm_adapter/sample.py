@@ -1,0 +1,95 @@
+"""Worker: our wrapper of ``GPUModelRunner._sample`` (applied for every method).
+
+Three jobs, in this order:
+
+1. Target top-k hook: for proposers that want it (Token Recycling; later
+   EAGLE-2 reranking and typical acceptance), the target's top-k next tokens
+   at every position scored this step (each request's last committed token
+   and every draft node, rejected ones included) are handed to the drafter,
+   which passes them to ``Proposer.observe`` before the next proposal. Taken
+   from the raw logits before vLLM's sampler may change them in place.
+2. Steps in which no request of the batch has a draft: vLLM 0.32 still runs
+   its rejection sampler, whose top-k path (``apply_top_k_only``) raises on
+   the empty draft-logits tensor whenever a request uses ``top_k`` and kills
+   the engine (it happens with vLLM's own ``ngram`` too). Such steps are
+   sampled with vLLM's plain sampler, which is what the rejection sampler
+   would have computed for the bonus tokens.
+3. Tree requests: vLLM's rejection sampler runs, then each tree request's row
+   is replaced by tree acceptance and its KV compacted (``tree_runtime``).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..proposers.base import TargetTopK
+
+
+def _target_topk(runner, logits: torch.Tensor, spec_meta, k: int) -> dict[str, TargetTopK]:
+    """Per request: input token and top-k of every scored position."""
+    n_rows = logits.shape[0]
+    x = logits.detach().float()
+    vals, ids = torch.topk(x, k, dim=-1)
+    logprobs = (vals - torch.logsumexp(x, dim=-1, keepdim=True)).cpu().numpy()
+    ids = ids.cpu().numpy().astype(np.int32)
+    inputs = runner.input_ids.gpu[spec_meta.logits_indices[:n_rows]].cpu().numpy()
+    cu = spec_meta.cu_num_sampled_tokens.cpu().numpy()
+    out: dict[str, TargetTopK] = {}
+    start = 0
+    for row, req_id in enumerate(runner.input_batch.req_ids[: cu.size]):
+        end = int(cu[row])
+        out[req_id] = TargetTopK(inputs[start:end].astype(np.int32), ids[start:end],
+                                 logprobs[start:end])
+        start = end
+    return out
+
+
+def make_sample(original):
+    def _sample(self, logits, spec_decode_metadata):
+        from . import tree_runtime
+        from .drafter import SpecPlugDrafter
+
+        drafter = getattr(self, "drafter", None)
+        if not isinstance(drafter, SpecPlugDrafter) or spec_decode_metadata is None:
+            tree_runtime.STEP.requests = []
+            tree_runtime.STEP.groups = []
+            return original(self, logits, spec_decode_metadata)
+        topk_k = drafter.target_topk_k
+        if topk_k:
+            drafter.pending_topk = _target_topk(self, logits, spec_decode_metadata, topk_k)
+        if spec_decode_metadata.max_spec_len == 0:
+            tree_runtime.STEP.requests = []
+            tree_runtime.STEP.groups = []
+            self.input_batch.update_async_output_token_ids()
+            return self.sampler(logits=logits[spec_decode_metadata.bonus_logits_indices],
+                                sampling_metadata=self.input_batch.sampling_metadata,
+                                predict_bonus_token=True)
+        rows = None
+        if tree_runtime.STEP.requests:
+            rows = tree_runtime.tree_logits(logits, spec_decode_metadata)
+        sampler_output = original(self, logits, spec_decode_metadata)
+        if rows is not None:
+            tree_runtime.accept_trees(self, rows, sampler_output)
+        tree_runtime.STEP.requests = []
+        tree_runtime.STEP.groups = []
+        return sampler_output
+
+    return _sample
+
+
+def expand_batch_to_tokens(x: torch.Tensor, cu_num_tokens: torch.Tensor, num_tokens: int,
+                           replace_from: int = 0, replace_to: int = 0) -> torch.Tensor:
+    """``x[b]`` repeated for each of request b's tokens (``cu_num_tokens`` is
+    cumulative), values equal to ``replace_from`` replaced by ``replace_to``:
+    the semantics of vLLM's ``expand_batch_to_tokens``, in plain torch."""
+    counts = torch.diff(cu_num_tokens.long(),
+                        prepend=torch.zeros(1, dtype=torch.long, device=cu_num_tokens.device))
+    out = torch.repeat_interleave(x, counts, output_size=num_tokens)
+    if replace_from != replace_to:
+        out = torch.where(out == replace_from, torch.as_tensor(replace_to, dtype=out.dtype),
+                          out)
+    return out
+
+
+def make_expand_batch_to_tokens(original):
+    return expand_batch_to_tokens
