@@ -194,3 +194,21 @@ def test_token_recycling_auto_budget_one_request_at_a_time(get_llm, prompts, ref
     assert s["proposer"]["drafts"] > 0 and s["errors"] == 0, s
     assert s["proposer"]["topk_misaligned"] == 0, s
     assert s["active_requests"] <= 1
+
+
+def test_build_tr_writes_a_loadable_matrix(tmp_path):
+    """`specplug build-tr` decodes prompts with token_recycling and saves the
+    matrix; the file passes the same validation a user's file gets."""
+    import numpy as np
+
+    from vllm_specplug.cli import main
+    from vllm_specplug.config import translate
+
+    out = tmp_path / "tr.npy"
+    assert main(["build-tr", "--skip-per-category", "1", "--per-category", "1",
+                 "--max-tokens", "16", "-o", str(out)]) == 0
+    m = np.load(out, allow_pickle=False)
+    assert m.dtype == np.int32 and m.shape[1] == 8
+    assert int((m[:, 0] >= 0).sum()) > 100
+    _, plugin = translate({"method": "token_recycling", "tr_matrix": str(out)})
+    assert plugin["options"]["tr_matrix"] == str(out)

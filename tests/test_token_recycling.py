@@ -267,3 +267,25 @@ def test_rank_rates_drive_the_auto_template():
     assert p.rank_hits[1] == 300 and counts
     paths = best_first_template(p.rates(), 6)
     assert paths[0] == (1,) and paths[1] == (1, 1)
+
+
+def test_matrix_is_saved_when_the_last_request_finishes(tmp_path):
+    path = tmp_path / "tr.npy"
+    p = _tr(tr_topk=2, tr_save_matrix=str(path))
+    p.start("a", [1])
+    p.start("b", [2])
+    p.observe("a", [3], _topk([1, 3], [[3, 4], [5, 6]]))
+    p.finish("a")
+    assert not path.exists()          # "b" still active
+    p.finish("b")
+    saved = np.load(path, allow_pickle=False)
+    assert np.array_equal(saved, p.matrix) and saved[3].tolist() == [5, 6]
+    assert not list(tmp_path.glob("*.tmp*"))
+    q = _tr(tr_topk=2, tr_matrix=str(path))
+    assert np.array_equal(q.matrix, p.matrix)
+
+
+def test_save_path_is_checked_before_the_engine_starts(tmp_path):
+    with pytest.raises(SpecPlugConfigError, match="does not exist"):
+        translate({"method": "token_recycling",
+                   "tr_save_matrix": str(tmp_path / "nope" / "m.npy")})

@@ -73,6 +73,51 @@ def cmd_prepare_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_build_tr(args: argparse.Namespace) -> int:
+    """Fill a Token Recycling matrix by decoding sample prompts; save it."""
+    import os
+
+    from .bench.engine import build_llm
+    from .bench.prompts import load_prompts
+    from .models import default_model_path
+
+    out = os.path.abspath(args.o)
+    rows = load_prompts(args.prompts)
+    if args.skip_per_category or args.per_category:
+        seen: dict[str, int] = {}
+        kept = []
+        for r in rows:
+            i = seen.get(r["category"], 0)
+            seen[r["category"]] = i + 1
+            if i >= args.skip_per_category and (
+                    not args.per_category or i < args.skip_per_category + args.per_category):
+                kept.append(r)
+        rows = kept
+    if not rows:
+        print("build-tr: no prompts selected", file=sys.stderr)
+        return 2
+    spec = {"method": "token_recycling", "tr_topk": args.topk, "tr_save_matrix": out}
+    llm = build_llm(args.model or default_model_path(), spec)
+    from vllm import SamplingParams
+
+    msgs = [[{"role": "user", "content": r["prompt"]}] for r in rows]
+    outs = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=args.max_tokens),
+                    use_tqdm=True)
+    # the matrix is saved when the last request finishes; one more short
+    # request makes the runner free (and so save after) the batch's last ones
+    llm.chat([[{"role": "user", "content": "Hi."}]], SamplingParams(max_tokens=2),
+             use_tqdm=False)
+    llm.llm_engine.engine_core.shutdown()
+    import numpy as np
+
+    m = np.load(out, allow_pickle=False)
+    filled = int((m[:, 0] >= 0).sum())
+    print(f"{out}: {m.shape[0]} x {m.shape[1]} int32 matrix, {filled} rows filled from "
+          f"{len(rows)} prompts ({sum(len(o.outputs[0].token_ids) for o in outs)} tokens); "
+          f"use it with \"tr_matrix\": \"{out}\"")
+    return 0
+
+
 def cmd_list(args: argparse.Namespace) -> int:
     from .registry import get_proposer_class, load_errors, proposer_names
 
@@ -80,7 +125,9 @@ def cmd_list(args: argparse.Namespace) -> int:
     for name in proposer_names():
         cls = get_proposer_class(name)
         print(f"  {name}  ({cls.__module__}.{cls.__qualname__})")
-        print("    num_speculative_tokens (int in [1, 128], default 8): draft budget per step")
+        auto = ' or "auto"' if cls.auto_budget_max else ""
+        print(f"    num_speculative_tokens (int in [1, 128]{auto}, default "
+              f"{cls.default_num_speculative_tokens!r}): draft budget per step")
         for opt in cls.options:
             print(f"    {opt.describe()}")
     for name, err in load_errors().items():
@@ -148,6 +195,18 @@ def build_parser() -> argparse.ArgumentParser:
     bench_args(sub.add_parser("demo", help="a quick bench on the embedded model"), quick=True)
     sp = sub.add_parser("prepare-model", help="convert the embedded model; print its folder")
     sp.set_defaults(func=cmd_prepare_model)
+    sp = sub.add_parser("build-tr", help="warm-start matrix for token_recycling")
+    sp.add_argument("--model", default=None, help="default: the embedded model")
+    sp.add_argument("--prompts", default=None,
+                    help="JSONL with 'turns' or 'prompt' (default: vendored Spec-Bench)")
+    sp.add_argument("--skip-per-category", type=int, default=0,
+                    help="skip the first N prompts of each category (keep them for "
+                         "benchmarking)")
+    sp.add_argument("--per-category", type=int, default=0, help="then take N (0: all)")
+    sp.add_argument("--max-tokens", type=int, default=128)
+    sp.add_argument("--topk", type=int, default=8)
+    sp.add_argument("-o", required=True, help="output .npy path")
+    sp.set_defaults(func=cmd_build_tr)
     sp = sub.add_parser("list", help="installed methods, their keys, and vLLM patches")
     sp.set_defaults(func=cmd_list)
     sub.add_parser("vllm", help="vLLM's CLI, e.g. `specplug vllm serve MODEL ...`",

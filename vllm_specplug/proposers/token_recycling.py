@@ -50,6 +50,7 @@ RETEMPLATE_EVERY = 256
 RATE_HORIZON = 1 << 16
 MAX_TEMPLATE_DEPTH = 16
 ROW_GROWTH = 4096
+SAVE_EVERY = 512
 
 
 def _check_template(value: str) -> str | None:
@@ -58,6 +59,17 @@ def _check_template(value: str) -> str | None:
     if not os.path.isfile(value):
         return (f"no file {value!r}; give \"auto\", \"paper\" or the path of a JSON list "
                 f"of rank paths such as [[0], [1], [0, 0]]")
+    return None
+
+
+def _check_save_path(value: str) -> str | None:
+    if not value:
+        return None
+    folder = os.path.dirname(os.path.abspath(value))
+    if not os.path.isdir(folder):
+        return f"folder {folder!r} does not exist"
+    if not os.access(folder, os.W_OK):
+        return f"folder {folder!r} is not writable"
     return None
 
 
@@ -189,6 +201,10 @@ class TokenRecyclingProposer(Proposer):
                "specplug build-tr); empty: start empty", check=_check_matrix),
         Option("tr_prompt_bigrams", bool, True,
                "fill still-empty rows from the prompt's own bigrams at request start"),
+        Option("tr_save_matrix", str, "",
+               "save the matrix (.npy) to this path every 512 updates and whenever no "
+               "request is active (atomic replace); reload it with tr_matrix",
+               check=_check_save_path),
     )
 
     @classmethod
@@ -201,7 +217,9 @@ class TokenRecyclingProposer(Proposer):
 
     def __init__(self, num_speculative_tokens: int, tr_topk: int = 8,
                  tr_template: str = "auto", tr_matrix: str = "",
-                 tr_prompt_bigrams: bool = True, auto_budget: bool = False) -> None:
+                 tr_prompt_bigrams: bool = True, tr_save_matrix: str = "",
+                 auto_budget: bool = False) -> None:
+        self.save_path = tr_save_matrix
         self.budget = int(num_speculative_tokens)
         self.auto_budget = bool(auto_budget)
         self.k = int(tr_topk)
@@ -307,6 +325,8 @@ class TokenRecyclingProposer(Proposer):
         if target_topk is not None:
             self.update(target_topk.input_ids, target_topk.token_ids)
             self._updates += 1
+            if self.save_path and self._updates % SAVE_EVERY == 0:
+                self.save_matrix(self.save_path)
             if self.fixed_template is None and self.template_kind == "auto" \
                     and self._updates % RETEMPLATE_EVERY == 0:
                 self._template_cache.clear()
@@ -352,7 +372,8 @@ class TokenRecyclingProposer(Proposer):
         return Draft(tokens.astype(np.int32), parents_out)
 
     def finish(self, req_id: str) -> None:
-        self._last.pop(req_id, None)
+        if self._last.pop(req_id, None) is not None and not self._last and self.save_path:
+            self.save_matrix(self.save_path)
 
     def active_requests(self) -> int:
         return len(self._last)
@@ -370,4 +391,8 @@ class TokenRecyclingProposer(Proposer):
                 "rank_rates": [round(float(x), 4) for x in self.rates()]}
 
     def save_matrix(self, path: str) -> None:
-        np.save(path, self.matrix, allow_pickle=False)
+        """Write the matrix as .npy, atomically (readers never see half a file)."""
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "wb") as f:
+            np.save(f, self.matrix, allow_pickle=False)
+        os.replace(tmp, path)
