@@ -139,18 +139,38 @@ class RandomTreeProposer(_ContextTracking):
                else "expected comma-separated token ids"),
         Option("random_shape", str, "tree", "a random tree, or a chain of random tokens",
                choices=("tree", "chain")),
+        Option("random_sizes", str, "",
+               "comma-separated node counts: the i-th request started drafts sizes[i % len] "
+               "nodes (for cost measurements; default: the budget)",
+               check=lambda v: None if all(t.strip().isdigit() and int(t) > 0
+                                           for t in v.split(",") if v)
+               else "expected comma-separated positive integers"),
     )
 
     def __init__(self, num_speculative_tokens: int, random_seed: int = 0,
-                 random_tokens: str = "", random_shape: str = "tree") -> None:
+                 random_tokens: str = "", random_shape: str = "tree",
+                 random_sizes: str = "") -> None:
         super().__init__(num_speculative_tokens)
+        self.sizes = [int(t) for t in random_sizes.split(",")] if random_sizes else []
+        self._size: dict[str, int] = {}
+        self._started = 0
         self.chain = random_shape == "chain"
         self.seed = random_seed
         self.vocab = (np.array([int(t) for t in random_tokens.split(",")])
                       if random_tokens else None)
 
+    def start(self, req_id: str, token_ids) -> None:
+        super().start(req_id, token_ids)
+        if self.sizes and req_id not in self._size:
+            self._size[req_id] = self.sizes[self._started % len(self.sizes)]
+            self._started += 1
+
+    def finish(self, req_id: str) -> None:
+        super().finish(req_id)
+        self._size.pop(req_id, None)
+
     def propose(self, req_id: str, budget: int) -> Draft:
-        n = min(budget, self.num_speculative_tokens)
+        n = min(budget, self.num_speculative_tokens, self._size.get(req_id, budget))
         # Deterministic in the context, so a seeded request is reproducible.
         ctx = self._ctx[req_id]
         rng = np.random.default_rng([self.seed, len(ctx), ctx[-1] if ctx else 0])
