@@ -212,3 +212,19 @@ def test_build_tr_writes_a_loadable_matrix(tmp_path):
     assert int((m[:, 0] >= 0).sum()) > 100
     _, plugin = translate({"method": "token_recycling", "tr_matrix": str(out)})
     assert plugin["options"]["tr_matrix"] == str(out)
+
+
+def test_sam_tr_greedy_is_identical_and_uses_both_branches(get_llm, spec_bench_prompts):
+    cats = ["summarization", "rag", "writing", "coding", "math"]
+    prompts = [r["prompt"] for r in pick(spec_bench_prompts, cats, 1)]
+    ref = chat(get_llm("plain"), prompts, max_tokens=MAX_TOKENS)
+    llm = get_llm("sam_tr", {"method": "sam_tr"})
+    outs = [chat(llm, [p], max_tokens=MAX_TOKENS)[0] for p in prompts]
+    for i, (a, b) in enumerate(zip(ref, outs)):
+        assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids), i
+    s = _tr_stats(llm)
+    p = s["proposer"]
+    assert s["errors"] == 0, s
+    assert p["sam_steps"] > 0 and p["tr_steps"] + p["none_steps"] > 0, p
+    assert p["token_recycling"]["matrix_updates"] > 0 and p["token_recycling"][
+        "topk_misaligned"] == 0, p

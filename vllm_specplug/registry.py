@@ -18,6 +18,7 @@ PROPOSER_GROUP = "vllm_specplug.proposers"
 BUILTIN_PROPOSERS: dict[str, str] = {
     "sam": "vllm_specplug.proposers.sam:SamProposer",
     "token_recycling": "vllm_specplug.proposers.token_recycling:TokenRecyclingProposer",
+    "sam_tr": "vllm_specplug.proposers.hybrid:SamTokenRecyclingProposer",
     # For tests of tree verification, not for speed:
     "debug_oracle_tree": "vllm_specplug.proposers.testing:OracleTreeProposer",
     "debug_random_tree": "vllm_specplug.proposers.testing:RandomTreeProposer",

@@ -13,6 +13,7 @@ METHOD_CONFIGS: dict[str, dict[str, Any] | None] = {
     "sam": {"method": "sam", "num_speculative_tokens": 8},
     # node budget chosen per step from the measured verify cost
     "token_recycling": {"method": "token_recycling", "num_speculative_tokens": "auto"},
+    "sam_tr": {"method": "sam_tr", "num_speculative_tokens": "auto"},
 }
 
 SPEC_COUNTERS = {
