@@ -108,7 +108,7 @@ def test_tree_proposers_install_tree_patches_and_keep_parents(patch_calls, monke
     from vllm_specplug.config import translate
 
     tree_calls = []
-    monkeypatch.setattr(adapter, "install_tree_patches", lambda: tree_calls.append(1))
+    monkeypatch.setattr(adapter, "install_tree_patches", lambda *a: tree_calls.append(1))
     _, plugin = translate({"method": "debug_random_tree", "num_speculative_tokens": 6})
     cfg = SimpleNamespace(additional_config={"specplug": plugin},
                           speculative_config=SimpleNamespace(num_speculative_tokens=6))

@@ -70,6 +70,9 @@ CPU_EXPAND_PATCH = Patch(
 
 #: The attention backend that replaces CPU_ATTN when a tree method is used.
 TREE_ATTENTION_BACKEND = "vllm_specplug.vllm_adapter.tree_attention.TreeCPUAttentionBackend"
+#: The attention backend that replaces FLASH_ATTN on CUDA (not yet run on a GPU).
+TREE_FLASH_ATTENTION_BACKEND = (
+    "vllm_specplug.vllm_adapter.tree_attention_cuda.TreeFlashAttentionBackend")
 
 PATCHES = (ENGINE_ARGS_PATCH, RUNNER_PATCH, REQUEST_REMOVED_PATCH, SAMPLE_PATCH,
            CPU_EXPAND_PATCH, TREE_PREPARE_PATCH)
@@ -90,18 +93,68 @@ def install_worker_patches() -> None:
         apply(CPU_EXPAND_PATCH)
 
 
-def install_tree_patches() -> None:
-    """Worker patches for tree verification (CPU attention path)."""
+def install_tree_patches(vllm_config=None) -> None:
+    """Worker patches for tree verification: CPU_ATTN (CPU) or FLASH_ATTN (CUDA,
+    Triton kernel, not yet run on a GPU) attention override, and the inputs patch."""
     from vllm.platforms import current_platform
 
-    if not current_platform.is_cpu():
+    if not (current_platform.is_cpu() or current_platform.is_cuda()):
         raise NotImplementedError(
-            "vllm_specplug tree verification runs on vLLM's CPU attention path in this "
-            "release; the CUDA path is not written yet")
+            f"vllm_specplug tree verification runs on vLLM's CPU attention path and on "
+            f"CUDA with the FLASH_ATTN backend; platform {current_platform.device_name!r} "
+            f"is not supported (use a chain method, e.g. sam)")
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    register_backend(AttentionBackendEnum.CPU_ATTN, TREE_ATTENTION_BACKEND)
+    if current_platform.is_cpu():
+        register_backend(AttentionBackendEnum.CPU_ATTN, TREE_ATTENTION_BACKEND)
+    else:
+        _check_cuda_tree_config(vllm_config)
+        register_backend(AttentionBackendEnum.FLASH_ATTN, TREE_FLASH_ATTENTION_BACKEND)
     apply(TREE_PREPARE_PATCH)
+
+
+def _check_cuda_tree_config(vllm_config) -> None:
+    """Refuse CUDA configurations the tree path cannot serve, and make vLLM pick
+    FLASH_ATTN (the override's base) where it would pick another backend by
+    default (FlashInfer first on SM100; FLASH_ATTN first on SM80/SM90)."""
+    if vllm_config is None:
+        return
+    from vllm.utils.torch_utils import is_quantized_kv_cache
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from ..kernels.tree_attention_triton import MAX_TREE_NODES
+
+    flash = AttentionBackendEnum.FLASH_ATTN
+    attention = getattr(vllm_config, "attention_config", None)
+    if attention is not None:
+        chosen = [attention.backend] + list((getattr(attention, "backend_per_kind", None)
+                                             or {}).values())
+        other = [b for b in chosen if b is not None and b != flash]
+        if other:
+            names = ", ".join(getattr(b, "name", str(b)) for b in other)
+            raise ValueError(
+                f"vllm_specplug tree verification on CUDA runs in the FLASH_ATTN attention "
+                f"backend, but this engine selected {names}; use --attention-backend "
+                f"FLASH_ATTN (or leave it unset), or a chain method (e.g. sam)")
+        if attention.backend is None:
+            attention.backend = flash
+    problems = []
+    cache_dtype = str(getattr(getattr(vllm_config, "cache_config", None), "cache_dtype",
+                              "auto") or "auto")
+    if is_quantized_kv_cache(cache_dtype):
+        problems.append(f"a quantized KV cache (kv_cache_dtype={cache_dtype})")
+    k = getattr(getattr(vllm_config, "speculative_config", None), "num_speculative_tokens", 0)
+    if int(k or 0) > MAX_TREE_NODES:
+        problems.append(f"more than {MAX_TREE_NODES} draft nodes per request "
+                        f"(num_speculative_tokens={k})")
+    parallel = getattr(vllm_config, "parallel_config", None)
+    if int(getattr(parallel, "decode_context_parallel_size", 1) or 1) > 1:
+        problems.append("decode context parallelism")
+    if getattr(parallel, "use_ubatching", False):
+        problems.append("micro-batching (DBO)")
+    if problems:
+        raise NotImplementedError(
+            f"vllm_specplug tree verification on CUDA does not support {', '.join(problems)}")
 
 
 __all__ = ["APPLIED", "PATCHES", "SUPPORTED_VLLM_VERSIONS", "UnsupportedVLLMVersion",

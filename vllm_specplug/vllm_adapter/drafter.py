@@ -57,7 +57,7 @@ class SpecPlugDrafter:
         self._last_step: tuple[tuple[str, ...], int, float] | None = None
         install_worker_patches()
         if self.proposer.drafts_trees:
-            install_tree_patches()
+            install_tree_patches(vllm_config)
 
     # vLLM's CPU runner calls this unconditionally; model-free methods ignore it.
     def load_model(self, target_model: Any) -> None:

@@ -51,15 +51,13 @@ def make_sample(original):
 
         drafter = getattr(self, "drafter", None)
         if not isinstance(drafter, SpecPlugDrafter) or spec_decode_metadata is None:
-            tree_runtime.STEP.requests = []
-            tree_runtime.STEP.groups = []
+            tree_runtime.STEP.clear()
             return original(self, logits, spec_decode_metadata)
         topk_k = drafter.target_topk_k
         if topk_k:
             drafter.pending_topk = _target_topk(self, logits, spec_decode_metadata, topk_k)
         if spec_decode_metadata.max_spec_len == 0:
-            tree_runtime.STEP.requests = []
-            tree_runtime.STEP.groups = []
+            tree_runtime.STEP.clear()
             self.input_batch.update_async_output_token_ids()
             return self.sampler(logits=logits[spec_decode_metadata.bonus_logits_indices],
                                 sampling_metadata=self.input_batch.sampling_metadata,
@@ -70,8 +68,7 @@ def make_sample(original):
         sampler_output = original(self, logits, spec_decode_metadata)
         if rows is not None:
             tree_runtime.accept_trees(self, rows, sampler_output)
-        tree_runtime.STEP.requests = []
-        tree_runtime.STEP.groups = []
+        tree_runtime.STEP.clear()
         return sampler_output
 
     return _sample

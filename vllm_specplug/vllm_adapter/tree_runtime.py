@@ -8,10 +8,12 @@ In the worker, for every request whose scheduled draft is a real tree:
 1. ``GPUModelRunner._prepare_inputs`` (patch): after vLLM computed positions
    and the slot mapping (slots stay base + 1 + node index), the model's
    position ids of the draft rows become base + depth, as on their path.
-2. Attention (``TreeCPUAttentionImpl``, installed over CPU_ATTN): vLLM's
-   kernel runs as usual, then the draft rows of tree requests are recomputed
-   with torch SDPA over the request's cached keys/values (prefix + this
-   step's nodes) under the ancestor mask.
+2. Attention (``TreeCPUAttentionImpl`` over CPU_ATTN, or on CUDA
+   ``TreeFlashAttentionImpl`` over FLASH_ATTN): vLLM's kernel runs as usual,
+   then the draft rows of tree requests are recomputed under the ancestor
+   mask over the request's cached keys/values (prefix + this step's nodes):
+   torch SDPA on CPU (``tree_attention``), the Triton paged tree-attention
+   kernel on CUDA (``flash_tree_attention``, not yet run on a GPU).
 3. ``GPUModelRunner._sample`` (patch, in ``sample.py``): vLLM's rejection sampler runs, then
    each tree request's output row is replaced by our scorer's accepted path +
    bonus token (greedy or lossless multi-branch rejection sampling), and the
@@ -34,7 +36,7 @@ import torch
 from ..proposers.base import Draft
 from ..scorers import GreedyScorer, RejectionScorer
 from ..tree import ancestor_mask, compaction_moves, depths
-from . import cpu_kv
+from . import cpu_kv, cuda_kv
 
 logger = logging.getLogger("vllm_specplug")
 
@@ -63,16 +65,50 @@ class AttentionGroup:
 
 
 @dataclass
+class FlashTreeArgs:
+    """Per-step arguments of the Triton tree kernel (CUDA path), on the device.
+
+    One entry per tree request, in ``STEP.requests`` order; all int64 and
+    contiguous (views of one buffer, copied to the device in one transfer)."""
+    rows: torch.Tensor           # [R] batch rows: rows of the layer's block table
+    prefix_lens: torch.Tensor    # [R] base + 1 (prefix and root)
+    node_counts: torch.Tensor    # [R] n
+    query_start: torch.Tensor    # [R] root_row + 1: first node row among the step's tokens
+    ancestor_bits: torch.Tensor  # [R, max n] bit j of [r, i]: node j is node i or an ancestor
+    # block tables already gathered this step, keyed by the source tensor
+    tables: dict = field(default_factory=dict)
+
+    def block_table(self, batch_block_table: torch.Tensor) -> torch.Tensor:
+        """The tree requests' rows of a layer's (kernel-block) block table; layers
+        of one KV cache group share the tensor, so it is gathered once a step."""
+        key = (batch_block_table.data_ptr(), tuple(batch_block_table.shape))
+        table = self.tables.get(key)
+        if table is None:
+            table = self.tables[key] = batch_block_table.index_select(0, self.rows)
+        return table
+
+
+@dataclass
 class StepTrees:
     """Tree requests of the step being executed in this worker."""
     requests: list[TreeRequest] = field(default_factory=list)
-    groups: list[AttentionGroup] = field(default_factory=list)
+    groups: list[AttentionGroup] = field(default_factory=list)   # CPU path
+    flash: FlashTreeArgs | None = None                            # CUDA path
     stats: dict = field(default_factory=lambda: {"tree_steps": 0, "tree_nodes": 0,
                                                  "tree_accepted": 0, "compacted": 0,
                                                  "fallbacks": 0})
 
+    def clear(self) -> None:
+        self.requests = []
+        self.groups = []
+        self.flash = None
+
 
 STEP = StepTrees()
+#: Attention layers built with the CUDA tree backend in this process (set by
+#: ``TreeFlashAttentionImpl``): on CUDA, tree requests without it would get
+#: plain causal attention, so ``prepare_tree_requests`` refuses them.
+FLASH_TREE_LAYERS = 0
 _GREEDY = GreedyScorer()
 _REJECTION = RejectionScorer()
 _RNG = np.random.default_rng(0)
@@ -98,8 +134,7 @@ def prepare_tree_requests(runner, scheduler_output) -> None:
     """Fill STEP for this step and rewrite tree rows' position ids."""
     from .drafter import SpecPlugDrafter
 
-    STEP.requests = []
-    STEP.groups = []
+    STEP.clear()
     drafter = getattr(runner, "drafter", None)
     if not isinstance(drafter, SpecPlugDrafter) or not drafter.trees:
         return
@@ -111,6 +146,7 @@ def prepare_tree_requests(runner, scheduler_output) -> None:
     bs = table.block_size
     block_table = table.block_table.np
     structured = set(getattr(scheduler_output, "structured_output_request_ids", None) or ())
+    positions = None  # host copy (CPU: the tensor itself), read once
     for req_id, toks in spec.items():
         parents = drafter.trees.get(req_id)
         n = len(toks)
@@ -124,21 +160,64 @@ def prepare_tree_requests(runner, scheduler_output) -> None:
         if why:
             STEP.stats["fallbacks"] += 1
             continue
+        if positions is None:
+            positions = runner.positions[: scheduler_output.total_num_scheduled_tokens].cpu()
         root_row = int(qsl[row + 1]) - n - 1
-        base = int(runner.positions[root_row])
+        base = int(positions[root_row])
         d = depths(parents)
         runner.positions[root_row + 1: root_row + 1 + n] = torch.from_numpy(
             (base + d).astype(np.int64)).to(runner.positions.device)
-        length = base + 1 + n
-        pos = np.arange(length)
-        slots = block_table[row, pos // bs].astype(np.int64) * bs + pos % bs
-        mask = np.zeros((n, length), dtype=bool)
-        mask[:, : base + 1] = True
-        mask[:, base + 1:] = ancestor_mask(parents)
-        STEP.requests.append(TreeRequest(req_id, row, root_row, base, parents,
-                                         np.asarray(toks, dtype=np.int64),
-                                         torch.from_numpy(slots), torch.from_numpy(mask)))
-    STEP.groups = build_groups(STEP.requests)
+        STEP.requests.append(tree_request(req_id, row, root_row, base, parents, toks,
+                                          block_table[row], bs))
+    if runner.positions.device.type == "cuda":
+        if STEP.requests:
+            if not FLASH_TREE_LAYERS:
+                raise RuntimeError(
+                    "vllm_specplug tree verification: this engine's attention layers do not "
+                    "use the FLASH_ATTN override (TreeFlashAttentionBackend), so draft trees "
+                    "would be verified with causal attention; select the FLASH_ATTN "
+                    "attention backend")
+            STEP.flash = build_flash_args(STEP.requests, runner.positions.device)
+    else:
+        STEP.groups = build_groups(STEP.requests)
+
+
+def tree_request(req_id: str, row: int, root_row: int, base: int, parents: np.ndarray,
+                 toks, block_row: np.ndarray, block_size: int) -> TreeRequest:
+    """A tree request whose root is at position ``base`` and whose node i's KV
+    is at position base + 1 + i; ``block_row`` is its row of the block table."""
+    n = len(parents)
+    length = base + 1 + n
+    pos = np.arange(length)
+    slots = block_row[pos // block_size].astype(np.int64) * block_size + pos % block_size
+    mask = np.zeros((n, length), dtype=bool)
+    mask[:, : base + 1] = True
+    mask[:, base + 1:] = ancestor_mask(parents)
+    return TreeRequest(req_id, row, root_row, base, parents, np.asarray(toks, dtype=np.int64),
+                       torch.from_numpy(slots), torch.from_numpy(mask))
+
+
+def build_flash_args(requests: list[TreeRequest], device) -> FlashTreeArgs:
+    """Kernel arguments for the CUDA path: built on the host once per step and
+    copied to ``device`` in one transfer."""
+    from ..kernels.tree_attention_triton import MAX_TREE_NODES, ancestor_bits_from_parents
+
+    r = len(requests)
+    n_max = max(tr.parents.size for tr in requests)
+    if n_max > MAX_TREE_NODES:
+        raise NotImplementedError(
+            f"vllm_specplug tree verification on CUDA supports at most {MAX_TREE_NODES} "
+            f"draft nodes per request (int64 ancestor bitmask), got {n_max}")
+    host = torch.zeros(4 * r + r * n_max, dtype=torch.int64)
+    cols = host[: 4 * r].view(4, r)
+    bits = host[4 * r:].view(r, n_max)
+    for i, tr in enumerate(requests):
+        n = tr.parents.size
+        cols[:, i] = torch.tensor([tr.row, tr.base + 1, n, tr.root_row + 1])
+        bits[i, :n] = ancestor_bits_from_parents(tr.parents)
+    dev = host.to(device)
+    return FlashTreeArgs(rows=dev[:r], prefix_lens=dev[r: 2 * r], node_counts=dev[2 * r: 3 * r],
+                         query_start=dev[3 * r: 4 * r], ancestor_bits=dev[4 * r:].view(r, n_max))
 
 
 # Requests per batched attention call; sorted by length so padding stays small.
@@ -174,16 +253,17 @@ def build_groups(requests: list[TreeRequest]) -> list[AttentionGroup]:
 
 
 def tree_attention(impl, query: torch.Tensor, kv_cache: torch.Tensor,
-                   output: torch.Tensor) -> None:
+                   output: torch.Tensor, gather=cpu_kv.gather) -> None:
     """Recompute the draft rows of tree requests under their ancestor masks,
-    one batched SDPA call per group of requests."""
+    one batched SDPA call per group of requests (CPU path; ``gather`` reads the
+    cache, ``cpu_kv.gather`` for vLLM's CPU layout)."""
     num_heads = impl.num_heads
     num_kv_heads = impl.num_kv_heads
     head_size = impl.head_size
     rep = num_heads // num_kv_heads
     for g in STEP.groups:
         r, n, length = g.shape
-        k, v = cpu_kv.gather(kv_cache, g.slots)          # [R * L, Hkv, D]
+        k, v = gather(kv_cache, g.slots)                 # [R * L, Hkv, D]
         k = k.view(r, length, num_kv_heads, head_size).transpose(1, 2)
         v = v.view(r, length, num_kv_heads, head_size).transpose(1, 2)
         if rep > 1:
@@ -194,6 +274,24 @@ def tree_attention(impl, query: torch.Tensor, kv_cache: torch.Tensor,
             q, k.to(q.dtype), v.to(q.dtype), attn_mask=g.mask, scale=impl.scale)
         out = out.transpose(1, 2).reshape(r * n, num_heads * head_size)[g.valid]
         output[g.out_rows] = out.view(output[g.out_rows].shape).to(output.dtype)
+
+
+def flash_tree_attention(impl, query: torch.Tensor, kv_cache: torch.Tensor,
+                         batch_block_table: torch.Tensor, output: torch.Tensor,
+                         args: FlashTreeArgs | None = None) -> None:
+    """CUDA path: recompute the draft rows of tree requests with the Triton
+    paged tree-attention kernel, in place in ``output``. ``kv_cache`` is the
+    layer's FlashAttention cache and ``batch_block_table`` the block table of
+    its attention metadata (one row per batch row, in the cache's blocks)."""
+    from ..kernels.tree_attention_triton import paged_tree_attention
+
+    args = STEP.flash if args is None else args
+    q = query.view(-1, impl.num_heads, impl.head_size)
+    out = output.view(-1, impl.num_heads, impl.head_size)
+    k_cache, v_cache = cuda_kv.split_kv(kv_cache)
+    paged_tree_attention(q, k_cache, v_cache, args.block_table(batch_block_table),
+                         args.prefix_lens, args.node_counts, args.query_start,
+                         args.ancestor_bits, impl.scale, out=out, check_inputs=False)
 
 
 def _processed_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float
@@ -235,6 +333,8 @@ def accept_trees(runner, rows_per_request: list[torch.Tensor], sampler_output) -
     """Replace tree requests' outputs with tree acceptance, then compact KV."""
     sm = runner.input_batch.sampling_metadata
     out = sampler_output.sampled_token_ids
+    src: list[int] = []
+    dst: list[int] = []
     for tr, rows in zip(STEP.requests, rows_per_request):
         n = tr.parents.size
         draft = Draft(tr.tokens, tr.parents)
@@ -251,14 +351,30 @@ def accept_trees(runner, rows_per_request: list[torch.Tensor], sampler_output) -
         out[tr.row, : len(toks)] = torch.tensor(toks, dtype=out.dtype)
         moves = compaction_moves(acc.path)
         if moves:
-            src = [int(tr.slots[tr.base + 1 + s]) for s, _ in moves]
-            dst = [int(tr.slots[tr.base + 1 + t]) for _, t in moves]
-            for kv in runner.kv_caches:
-                cpu_kv.move(kv, src, dst)
+            src += [int(tr.slots[tr.base + 1 + s]) for s, _ in moves]
+            dst += [int(tr.slots[tr.base + 1 + t]) for _, t in moves]
             STEP.stats["compacted"] += 1
         STEP.stats["tree_steps"] += 1
         STEP.stats["tree_nodes"] += n
         STEP.stats["tree_accepted"] += len(acc.path)
+    if src:  # requests own disjoint slots: one move per layer for the whole batch
+        for kv in _distinct(runner.kv_caches):
+            kv_module(kv).move(kv, src, dst)
+
+
+def kv_module(kv_cache: torch.Tensor):
+    """The reader/mover of a layer's KV cache: ``cpu_kv`` or ``cuda_kv``."""
+    return cuda_kv if cuda_kv.layout_of(kv_cache) == cuda_kv.FLASH else cpu_kv
+
+
+def _distinct(caches):
+    """Each cache once (layers that share a KV cache must be moved only once)."""
+    seen = set()
+    for kv in caches:
+        key = (kv.data_ptr(), tuple(kv.shape), kv.stride())
+        if key not in seen:
+            seen.add(key)
+            yield kv
 
 
 # ---------------------------------------------------------------- patches
