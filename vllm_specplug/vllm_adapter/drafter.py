@@ -42,6 +42,9 @@ class SpecPlugDrafter:
         self.proposer = build_proposer(plugin)
         # req_id -> parents of the tree drafted last (chains are not stored)
         self.trees: dict[str, np.ndarray] = {}
+        # req_id -> the tokens of that tree: a scheduled draft is verified as a
+        # tree only if it is a prefix of them (else vLLM's chain path verifies it)
+        self.tree_tokens: dict[str, np.ndarray] = {}
         # req_id -> (number of tokens observed, last token observed)
         self._seen: dict[str, tuple[int, int]] = {}
         self._row_req_ids: Sequence[str] | None = None
@@ -131,8 +134,10 @@ class SpecPlugDrafter:
         draft = self.proposer.propose(req_id, self.k)
         if draft.parents is not None and not draft.is_chain:
             self.trees[req_id] = draft.parents[: self.k]
+            self.tree_tokens[req_id] = draft.tokens[: self.k]
         else:
             self.trees.pop(req_id, None)
+            self.tree_tokens.pop(req_id, None)
         return draft.tokens[: self.k].tolist()
 
     def finish_request(self, req_id: str) -> None:
@@ -143,6 +148,7 @@ class SpecPlugDrafter:
     def _forget(self, req_id: str) -> None:
         self._seen.pop(req_id, None)
         self.trees.pop(req_id, None)
+        self.tree_tokens.pop(req_id, None)
         self.proposer.finish(req_id)
 
     # ------------------------------------------------------------ introspection

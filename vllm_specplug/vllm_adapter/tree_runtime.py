@@ -152,6 +152,13 @@ def prepare_tree_requests(runner, scheduler_output) -> None:
         n = len(toks)
         if parents is None or n == 0:
             continue
+        drafted = drafter.tree_tokens.get(req_id)
+        if (n > parents.size or drafted is None
+                or not np.array_equal(np.asarray(toks), drafted[:n])):
+            # not the tree drafted last (e.g. vLLM skipped drafting near
+            # max_model_len and scheduled older tokens): verify as a chain
+            STEP.stats["fallbacks"] += 1
+            continue
         parents = parents[:n]
         if Draft(np.asarray(toks), parents).is_chain:
             continue
