@@ -118,7 +118,7 @@ def test_tree_proposers_install_tree_patches_and_keep_parents(patch_calls, monke
     num_tokens, token_ids = arrays([[1, 2, 3]])
     drafts = d.propose([[3]], num_tokens, token_ids)
     assert len(drafts[0]) == 6
-    parents = d.trees["a"]
+    parents = d.trees["a"].parents
     assert parents.shape == (6,) and np.all(parents < np.arange(6))
     assert d.stats()["trees_held"] == 1
     d.finish_request("a")

@@ -17,10 +17,10 @@ import logging
 import time
 from typing import Any, Sequence
 
-import numpy as np
 
 from ..budget import StepCostModel
 from ..config import ADDITIONAL_CONFIG_KEY, build_proposer
+from ..proposers.base import Draft
 
 logger = logging.getLogger("vllm_specplug")
 
@@ -40,11 +40,10 @@ class SpecPlugDrafter:
         self.method = plugin["method"]
         self.k = int(vllm_config.speculative_config.num_speculative_tokens)
         self.proposer = build_proposer(plugin)
-        # req_id -> parents of the tree drafted last (chains are not stored)
-        self.trees: dict[str, np.ndarray] = {}
-        # req_id -> the tokens of that tree: a scheduled draft is verified as a
-        # tree only if it is a prefix of them (else vLLM's chain path verifies it)
-        self.tree_tokens: dict[str, np.ndarray] = {}
+        # req_id -> the tree drafted last (chains are not stored); a scheduled
+        # draft is verified as a tree only if its tokens are a prefix of it
+        # (else vLLM's chain path verifies it)
+        self.trees: dict[str, Draft] = {}
         # req_id -> (number of tokens observed, last token observed)
         self._seen: dict[str, tuple[int, int]] = {}
         self._row_req_ids: Sequence[str] | None = None
@@ -133,11 +132,9 @@ class SpecPlugDrafter:
         self._seen[req_id] = (n, int(token_ids_cpu[row, n - 1]))
         draft = self.proposer.propose(req_id, self.k)
         if draft.parents is not None and not draft.is_chain:
-            self.trees[req_id] = draft.parents[: self.k]
-            self.tree_tokens[req_id] = draft.tokens[: self.k]
+            self.trees[req_id] = Draft(draft.tokens[: self.k], draft.parents[: self.k])
         else:
             self.trees.pop(req_id, None)
-            self.tree_tokens.pop(req_id, None)
         return draft.tokens[: self.k].tolist()
 
     def finish_request(self, req_id: str) -> None:
@@ -148,7 +145,6 @@ class SpecPlugDrafter:
     def _forget(self, req_id: str) -> None:
         self._seen.pop(req_id, None)
         self.trees.pop(req_id, None)
-        self.tree_tokens.pop(req_id, None)
         self.proposer.finish(req_id)
 
     # ------------------------------------------------------------ introspection

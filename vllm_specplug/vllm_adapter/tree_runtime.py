@@ -148,18 +148,16 @@ def prepare_tree_requests(runner, scheduler_output) -> None:
     structured = set(getattr(scheduler_output, "structured_output_request_ids", None) or ())
     positions = None  # host copy (CPU: the tensor itself), read once
     for req_id, toks in spec.items():
-        parents = drafter.trees.get(req_id)
+        tree = drafter.trees.get(req_id)
         n = len(toks)
-        if parents is None or n == 0:
+        if tree is None or n == 0:
             continue
-        drafted = drafter.tree_tokens.get(req_id)
-        if (n > parents.size or drafted is None
-                or not np.array_equal(np.asarray(toks), drafted[:n])):
+        if n > len(tree) or not np.array_equal(np.asarray(toks), tree.tokens[:n]):
             # not the tree drafted last (e.g. vLLM skipped drafting near
             # max_model_len and scheduled older tokens): verify as a chain
             STEP.stats["fallbacks"] += 1
             continue
-        parents = parents[:n]
+        parents = tree.parents[:n]
         if Draft(np.asarray(toks), parents).is_chain:
             continue
         row = runner.input_batch.req_id_to_index[req_id]
