@@ -43,8 +43,8 @@ def get_llm(model_path):
             return _ENGINES[name]
         while len(_ENGINES) >= MAX_LIVE_ENGINES:
             _shutdown(_ENGINES.pop(next(iter(_ENGINES))))
-        _ENGINES[name] = build_llm(model_path, speculative_config, max_model_len=2048,
-                                   **overrides)
+        overrides.setdefault("max_model_len", 2048)
+        _ENGINES[name] = build_llm(model_path, speculative_config, **overrides)
         return _ENGINES[name]
 
     yield get

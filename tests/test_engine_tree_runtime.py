@@ -97,9 +97,6 @@ def test_abort_mid_stream_leaves_the_others_intact(get_llm, prompts):
     assert s["errors"] == 0 and s["active_requests"] <= 1 and s["trees_held"] <= 1, s
 
 
-@pytest.mark.skip(reason=(
-    "not yet running: 8 KV blocks (1024 tokens) cannot hold the shared engines' "
-    "max_model_len of 2048, so vLLM refuses the engine; needs its own max_model_len"))
 def test_preemption_by_recomputation(get_llm, spec_bench_prompts):
     """A KV cache of 8 blocks (1024 tokens) for 4 requests of ~300 tokens each:
     the scheduler must preempt; outputs stay identical to plain decoding."""
@@ -108,7 +105,7 @@ def test_preemption_by_recomputation(get_llm, spec_bench_prompts):
     kw = dict(max_tokens=260, ignore_eos=True)
     plain = chat(get_llm("plain"), prompts, **kw)
     llm = get_llm("tr_paper_small_kv", TR_PAPER, num_gpu_blocks_override=8,
-                  enable_prefix_caching=False)
+                  max_model_len=1024, enable_prefix_caching=False)
     before = _preemptions(llm)
     tree = chat(llm, prompts, **kw)
     assert _preemptions(llm) > before, "the test did not provoke a preemption"

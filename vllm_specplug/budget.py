@@ -12,8 +12,18 @@ count maximising expected tokens per second,
 
 for a batch of B rows (the nodes' estimates sorted in decreasing order, each
 the probability that the node lies on the accepted path).
+
+The fit is cached per machine, model and parallel layout (``save_fit`` /
+``load_prior``): an engine starts from the cost ratio b / a the previous
+engine measured, with more weight than the built-in prior, and keeps
+learning.
 """
 from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
 
 import numpy as np
 
@@ -24,6 +34,9 @@ PRIOR_A = 1.0
 PRIOR_B = 0.08
 PRIOR_WEIGHT = 8.0
 DECAY = 0.99
+# Weight of a cached fit used as the prior, and how often it is re-saved.
+CACHED_PRIOR_WEIGHT = 32.0
+SAVE_EVERY = 256
 
 
 class StepCostModel:
@@ -87,3 +100,27 @@ def best_node_count(values_desc: np.ndarray, relative_cost: float, max_nodes: in
     gain = 1.0 + np.concatenate([[0.0], np.cumsum(v)])
     rate = gain / (1.0 + relative_cost * n)
     return int(np.argmax(rate))
+
+
+def save_fit(model: StepCostModel, path: Path) -> None:
+    """Write the fitted cost ratio (atomically; JSON)."""
+    a, b = model.fit()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {"format": 1, "a_s": a, "b_s": b, "ratio": b / a, "samples": model.samples}
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)
+
+
+def load_prior(path: Path) -> StepCostModel | None:
+    """A model whose prior is the cached ratio; None when there is no usable
+    cache (missing, unreadable or implausible values are ignored)."""
+    try:
+        data = json.loads(Path(path).read_text())
+        ratio = float(data["ratio"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not (0.0 <= ratio < 10.0) or data.get("format") != 1:
+        return None
+    return StepCostModel(prior_a=1.0, prior_b=ratio, prior_weight=CACHED_PRIOR_WEIGHT)

@@ -134,9 +134,12 @@ class RandomTreeProposer(_ContextTracking):
     options: ClassVar[tuple[Option, ...]] = (
         Option("random_seed", int, 0, "random seed", minimum=0),
         Option("random_tokens", str, "",
-               "comma-separated token ids to draw from (default: ids 0..49151)",
-               check=lambda v: None if all(t.strip().isdigit() for t in v.split(",") if v)
-               else "expected comma-separated token ids"),
+               "comma-separated token ids to draw from (default: ids 0..49151); "
+               "';'-separated lists draw the i-th token after the request's first "
+               "drafting context from the i-th list (the last list beyond)",
+               check=lambda v: None if all(t.strip().isdigit() for part in v.split(";")
+                                           for t in part.split(",")) or not v
+               else "expected comma-separated token ids, lists separated by ';'"),
         Option("random_shape", str, "tree", "a random tree, or a chain of random tokens",
                choices=("tree", "chain")),
         Option("random_sizes", str, "",
@@ -156,11 +159,14 @@ class RandomTreeProposer(_ContextTracking):
         self._started = 0
         self.chain = random_shape == "chain"
         self.seed = random_seed
-        self.vocab = (np.array([int(t) for t in random_tokens.split(",")])
-                      if random_tokens else None)
+        # One token list per generated position (a single list: all positions).
+        self.vocab = ([np.array([int(t) for t in part.split(",")])
+                       for part in random_tokens.split(";")] if random_tokens else None)
+        self._prompt_len: dict[str, int] = {}
 
     def start(self, req_id: str, token_ids) -> None:
         super().start(req_id, token_ids)
+        self._prompt_len.setdefault(req_id, len(token_ids))
         if self.sizes and req_id not in self._size:
             self._size[req_id] = self.sizes[self._started % len(self.sizes)]
             self._started += 1
@@ -168,6 +174,7 @@ class RandomTreeProposer(_ContextTracking):
     def finish(self, req_id: str) -> None:
         super().finish(req_id)
         self._size.pop(req_id, None)
+        self._prompt_len.pop(req_id, None)
 
     def propose(self, req_id: str, budget: int) -> Draft:
         n = min(budget, self.num_speculative_tokens, self._size.get(req_id, budget))
@@ -175,6 +182,14 @@ class RandomTreeProposer(_ContextTracking):
         ctx = self._ctx[req_id]
         rng = np.random.default_rng([self.seed, len(ctx), ctx[-1] if ctx else 0])
         parents = [i - 1 if self.chain else int(rng.integers(-1, i)) for i in range(n)]
-        tokens = (rng.choice(self.vocab, size=n) if self.vocab is not None
-                  else rng.integers(0, 49152, size=n))
+        if self.vocab is None:
+            tokens = rng.integers(0, 49152, size=n)
+        else:
+            generated = len(ctx) - self._prompt_len.get(req_id, len(ctx))
+            depth = np.zeros(n, dtype=np.int64)
+            for i, p in enumerate(parents):
+                depth[i] = 0 if p < 0 else depth[p] + 1
+            lists = self.vocab
+            tokens = np.array([rng.choice(lists[min(generated + int(d), len(lists) - 1)])
+                               for d in depth], dtype=np.int64)
         return Draft(tokens, np.array(parents, dtype=np.int32))

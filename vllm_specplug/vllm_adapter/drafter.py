@@ -13,16 +13,52 @@ state is dropped (rebuilt next step), the engine and other requests go on.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
+import platform
 import time
+from pathlib import Path
 from typing import Any, Sequence
 
-
-from ..budget import StepCostModel
+from ..budget import SAVE_EVERY, StepCostModel, load_prior, save_fit
 from ..config import ADDITIONAL_CONFIG_KEY, build_proposer
 from ..proposers.base import Draft
 
 logger = logging.getLogger("vllm_specplug")
+
+
+def step_cost_cache_path(vllm_config: Any) -> Path | None:
+    """Where this engine's step-cost fit is cached: one file per machine
+    (CPU or GPU name), model, dtype and parallel layout. None when disabled
+    with ``VLLM_SPECPLUG_STEP_COST_CACHE=0``."""
+    if os.environ.get("VLLM_SPECPLUG_STEP_COST_CACHE", "1") == "0":
+        return None
+    from ..models import cache_root
+
+    try:
+        import torch
+
+        device = (torch.cuda.get_device_name() if torch.cuda.is_available()
+                  else f"cpu-{platform.machine()}-{os.cpu_count()}-{_cpu_model()}")
+    except Exception:  # noqa: BLE001 - no device name: no cache
+        return None
+    mc = getattr(vllm_config, "model_config", None)
+    pc = getattr(vllm_config, "parallel_config", None)
+    key = "|".join(str(x) for x in (
+        device, getattr(mc, "model", None), getattr(mc, "dtype", None),
+        getattr(pc, "tensor_parallel_size", 1), getattr(pc, "pipeline_parallel_size", 1)))
+    return cache_root() / "step_cost" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
 
 
 class SpecPlugDrafter:
@@ -55,7 +91,10 @@ class SpecPlugDrafter:
             if self.proposer.wants_target_topk else 0
         self.pending_topk: dict = {}
         # Step cost against tokens verified, from consecutive decode steps.
-        self.step_cost = StepCostModel()
+        self._cost_cache = step_cost_cache_path(vllm_config)
+        cached = load_prior(self._cost_cache) if self._cost_cache else None
+        self.step_cost = cached or StepCostModel()
+        self.step_cost_from_cache = cached is not None
         self._last_step: tuple[tuple[str, ...], int, float] | None = None
         install_worker_patches()
         if self.proposer.drafts_trees:
@@ -114,6 +153,13 @@ class SpecPlugDrafter:
         last = self._last_step
         if decoding and last is not None and last[0] == key:
             self.step_cost.add(len(key) + last[1], now - last[2])
+            if self._cost_cache and self.step_cost.samples % SAVE_EVERY == 0:
+                try:
+                    save_fit(self.step_cost, self._cost_cache)
+                except OSError as e:
+                    logger.warning("vllm_specplug: cannot cache the step cost in %s: %s",
+                                   self._cost_cache, e)
+                    self._cost_cache = None
         self._last_step = (key, 0, now) if decoding else None
 
     def _propose_row(self, req_id: str, row: int, n: int, token_ids_cpu,
@@ -154,6 +200,7 @@ class SpecPlugDrafter:
                "state_bytes": self.proposer.state_nbytes(),
                "errors": self.num_errors, "trees_held": len(self.trees),
                "step_cost": {"samples": self.step_cost.samples, "a_s": float(a),
+                             "from_cache": self.step_cost_from_cache,
                              "b_s": float(b), "relative_token_cost":
                              float(self.step_cost.relative_token_cost(1))}}
         debug = getattr(self.proposer, "debug_stats", None)

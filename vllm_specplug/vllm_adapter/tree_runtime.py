@@ -62,6 +62,19 @@ class AttentionGroup:
     valid: torch.Tensor     # [R * N] which of them are real nodes
     out_rows: torch.Tensor  # rows[valid]
     shape: tuple[int, int, int]  # (R, N, L)
+    # Rows as one slice when the group is a single request (no gathers).
+    row_slice: slice | None = None
+    # The mask repeated for grouped-query heads, by repeat count.
+    gqa_masks: dict = field(default_factory=dict)
+
+    def mask_for(self, rep: int) -> torch.Tensor:
+        """[R, 1, rep * N, L]: query heads sharing a KV head are folded into
+        rows, head-major (row j * N + i is node i under the j-th head)."""
+        if rep == 1:
+            return self.mask
+        if rep not in self.gqa_masks:
+            self.gqa_masks[rep] = self.mask.repeat(1, 1, rep, 1)
+        return self.gqa_masks[rep]
 
 
 @dataclass
@@ -252,8 +265,10 @@ def build_groups(requests: list[TreeRequest]) -> list[AttentionGroup]:
             rows[i, n:] = tr.root_row + 1
             valid[i, :n] = True
         rows, valid = rows.view(-1), valid.view(-1)
+        row_slice = (slice(part[0].root_row + 1, part[0].root_row + 1 + n_max)
+                     if r == 1 else None)
         groups.append(AttentionGroup(slots.view(-1), mask, rows, valid, rows[valid],
-                                     (r, n_max, l_max)))
+                                     (r, n_max, l_max), row_slice))
     return groups
 
 
@@ -262,23 +277,27 @@ def tree_attention(impl, query: torch.Tensor, kv_cache: torch.Tensor,
     """Recompute the draft rows of tree requests under their ancestor masks,
     one batched SDPA call per group of requests (CPU path; ``gather`` reads the
     cache, ``cpu_kv.gather`` for vLLM's CPU layout)."""
-    num_heads = impl.num_heads
-    num_kv_heads = impl.num_kv_heads
-    head_size = impl.head_size
+    num_heads, num_kv_heads, d = impl.num_heads, impl.num_kv_heads, impl.head_size
     rep = num_heads // num_kv_heads
+    out2d = output.view(output.shape[0], -1)
     for g in STEP.groups:
         r, n, length = g.shape
         k, v = gather(kv_cache, g.slots)                 # [R * L, Hkv, D]
-        k = k.view(r, length, num_kv_heads, head_size).transpose(1, 2)
-        v = v.view(r, length, num_kv_heads, head_size).transpose(1, 2)
-        if rep > 1:
-            k = k.repeat_interleave(rep, dim=1)
-            v = v.repeat_interleave(rep, dim=1)
-        q = query[g.rows].view(r, n, num_heads, head_size).transpose(1, 2)  # [R, H, N, D]
+        k = k.view(r, length, num_kv_heads, d).transpose(1, 2)  # [R, Hkv, L, D]
+        v = v.view(r, length, num_kv_heads, d).transpose(1, 2)
+        q = query[g.row_slice] if g.row_slice is not None else query[g.rows]
+        # Query head h uses KV head h // rep: fold each KV head's rep query
+        # heads into rows instead of repeating K and V.
+        q = (q.reshape(r, n, num_kv_heads, rep, d).permute(0, 2, 3, 1, 4)
+             .reshape(r, num_kv_heads, rep * n, d))
         out = torch.nn.functional.scaled_dot_product_attention(
-            q, k.to(q.dtype), v.to(q.dtype), attn_mask=g.mask, scale=impl.scale)
-        out = out.transpose(1, 2).reshape(r * n, num_heads * head_size)[g.valid]
-        output[g.out_rows] = out.view(output[g.out_rows].shape).to(output.dtype)
+            q, k.to(q.dtype), v.to(q.dtype), attn_mask=g.mask_for(rep), scale=impl.scale)
+        out = (out.view(r, num_kv_heads, rep, n, d).permute(0, 3, 1, 2, 4)
+               .reshape(r * n, num_heads * d).to(output.dtype))
+        if g.row_slice is not None:
+            out2d[g.row_slice] = out
+        else:
+            out2d[g.out_rows] = out[g.valid]
 
 
 def flash_tree_attention(impl, query: torch.Tensor, kv_cache: torch.Tensor,

@@ -1,0 +1,75 @@
+"""The step-cost fit is cached per machine/model/layout and used as the next
+engine's prior."""
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import vllm_specplug.vllm_adapter as adapter
+from vllm_specplug.budget import (CACHED_PRIOR_WEIGHT, SAVE_EVERY, StepCostModel, load_prior,
+                                  save_fit)
+from vllm_specplug.config import translate
+from vllm_specplug.vllm_adapter.drafter import SpecPlugDrafter, step_cost_cache_path
+
+
+def fitted(a=0.07, b=0.007, n=300, seed=0):
+    rng = np.random.default_rng(seed)
+    m = StepCostModel()
+    for _ in range(n):
+        t = int(rng.integers(1, 40))
+        m.add(t, (a + b * t) * rng.uniform(0.97, 1.03))
+    return m
+
+
+def test_fit_recovers_the_cost_line_and_round_trips(tmp_path):
+    m = fitted()
+    a, b = m.fit()
+    assert a == pytest.approx(0.07, rel=0.1) and b == pytest.approx(0.007, rel=0.1)
+    save_fit(m, tmp_path / "c.json")
+    prior = load_prior(tmp_path / "c.json")
+    assert prior.prior[2] == CACHED_PRIOR_WEIGHT
+    # before any measurement the cached ratio is the whole estimate
+    assert prior.relative_token_cost(1) == pytest.approx(m.relative_token_cost(1), rel=1e-6)
+
+
+@pytest.mark.parametrize("text", ["", "{", '{"format": 1}', '{"format": 1, "ratio": -1}',
+                                  '{"format": 2, "ratio": 0.1}', '{"format": 1, "ratio": "x"}'])
+def test_unusable_cache_is_ignored(tmp_path, text):
+    (tmp_path / "c.json").write_text(text)
+    assert load_prior(tmp_path / "c.json") is None
+    assert load_prior(tmp_path / "missing.json") is None
+
+
+def config(model="m", tp=1):
+    _, plugin = translate({"method": "sam", "num_speculative_tokens": 4})
+    return SimpleNamespace(
+        additional_config={"specplug": plugin},
+        speculative_config=SimpleNamespace(num_speculative_tokens=4),
+        model_config=SimpleNamespace(model=model, dtype="float32"),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1))
+
+
+def test_drafter_saves_and_next_drafter_starts_from_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_SPECPLUG_CACHE", str(tmp_path))
+    monkeypatch.setattr(adapter, "install_worker_patches", lambda: None)
+    path = step_cost_cache_path(config())
+    assert path.parent == tmp_path / "step_cost"
+    assert path != step_cost_cache_path(config(model="other"))
+    assert path != step_cost_cache_path(config(tp=2))
+    d = SpecPlugDrafter(config())
+    assert not d.step_cost_from_cache
+    d.step_cost = fitted(n=SAVE_EVERY - 1)
+    d._last_step = (("r",), 3, time.perf_counter() - 0.09)
+    d._time_step(["r"], [[1]])  # the SAVE_EVERY-th sample
+    assert path.is_file()
+    d2 = SpecPlugDrafter(config())
+    assert d2.step_cost_from_cache
+    assert d2.stats()["step_cost"]["from_cache"]
+
+
+def test_cache_can_be_disabled(monkeypatch):
+    monkeypatch.setenv("VLLM_SPECPLUG_STEP_COST_CACHE", "0")
+    assert step_cost_cache_path(config()) is None
