@@ -125,6 +125,56 @@ def test_tree_proposers_install_tree_patches_and_keep_parents(patch_calls, monke
     assert d.stats()["trees_held"] == 0 and d.stats()["active_requests"] == 0
 
 
+class FakeTPGroup:
+    """A tensor-parallel group of which this drafter is rank ``rank``; rank
+    0's broadcast payload is recorded (rank 0) or replayed (other ranks)."""
+
+    def __init__(self, rank: int, payload=None):
+        self.rank_in_group = rank
+        self.payload = payload
+
+    def broadcast_object(self, obj, src=0):
+        assert src == 0
+        if self.rank_in_group == 0:
+            self.payload = obj
+            return obj
+        return self.payload
+
+
+def test_tensor_parallel_ranks_adopt_rank0_drafts_and_trees(patch_calls, monkeypatch):
+    """Ranks whose own proposers drafted differently (here: other seeds, as
+    per-rank step timings would make "auto" budgets differ) end the step with
+    rank 0's drafts and tree parents."""
+    import vllm_specplug.vllm_adapter as adapter
+
+    monkeypatch.setattr(adapter, "install_tree_patches", lambda *a: None)
+
+    def rank_drafter(seed, group):
+        _, plugin = translate({"method": "debug_random_tree", "num_speculative_tokens": 6,
+                               "random_seed": seed})
+        cfg = SimpleNamespace(additional_config={"specplug": plugin},
+                              speculative_config=SimpleNamespace(num_speculative_tokens=6),
+                              parallel_config=SimpleNamespace(tensor_parallel_size=2))
+        d = SpecPlugDrafter(cfg)
+        assert d._tp is True
+        d._tp = group
+        return d
+
+    rank0 = rank_drafter(0, FakeTPGroup(0))
+    rank1 = rank_drafter(1, FakeTPGroup(1))
+    hist = [[1, 2, 3], [4, 5]]
+    d0 = step(rank0, ["a", "b"], hist, [[3], [5]])
+    rank1._tp.payload = rank0._tp.payload
+    d1 = step(rank1, ["a", "b"], hist, [[3], [5]])
+    assert d1 == d0
+    for r in ("a", "b"):
+        assert rank1.trees[r].tokens.tolist() == rank0.trees[r].tokens.tolist()
+        assert rank1.trees[r].parents.tolist() == rank0.trees[r].parents.tolist()
+    # rank 1's own proposer would have drafted something else
+    own = rank_drafter(1, FakeTPGroup(0))
+    assert step(own, ["a", "b"], hist, [[3], [5]]) != d0
+
+
 def test_propose_without_begin_step(drafter):
     num_tokens, token_ids = arrays([[1, 2, 1, 2]])
     with pytest.raises(RuntimeError, match="propose_draft_token_ids"):

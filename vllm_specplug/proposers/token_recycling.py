@@ -32,6 +32,7 @@ from __future__ import annotations
 import heapq
 import json
 import os
+import zlib
 from typing import ClassVar, Sequence
 
 import numpy as np
@@ -388,6 +389,8 @@ class TokenRecyclingProposer(Proposer):
     def debug_stats(self) -> dict:
         return {**self.stats, "matrix_rows": int(self.matrix.shape[0]),
                 "matrix_bytes": self.matrix_nbytes(),
+                # equal on every tensor-parallel rank (they see the same top-k)
+                "matrix_crc32": zlib.crc32(np.ascontiguousarray(self.matrix).data),
                 "rank_rates": [round(float(x), 4) for x in self.rates()]}
 
     def save_matrix(self, path: str) -> None:

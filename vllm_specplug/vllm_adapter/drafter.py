@@ -96,6 +96,9 @@ class SpecPlugDrafter:
         self.step_cost = cached or StepCostModel()
         self.step_cost_from_cache = cached is not None
         self._last_step: tuple[tuple[str, ...], int, float] | None = None
+        # True: tensor parallel, group looked up at the first step; None: one rank.
+        pc = getattr(vllm_config, "parallel_config", None)
+        self._tp = True if getattr(pc, "tensor_parallel_size", 1) > 1 else None
         install_worker_patches()
         if self.proposer.drafts_trees:
             install_tree_patches(vllm_config)
@@ -138,9 +141,35 @@ class SpecPlugDrafter:
                 drafts.append([])
         for req_id in [r for r in self._seen if r not in live]:
             self._forget(req_id)
+        drafts = self._agree_across_ranks(req_ids[: len(drafts)], drafts)
         if self._last_step is not None:
             self._last_step = (self._last_step[0], sum(len(d) for d in drafts),
                                self._last_step[2])
+        return drafts
+
+    def _agree_across_ranks(self, req_ids: Sequence[str], drafts: list[list[int]]):
+        """Under tensor parallelism every rank runs its own drafter, but what
+        a proposer drafts may depend on per-rank measurements (step timings
+        behind ``"auto"`` budgets) or on a per-rank failure. The scheduler
+        verifies rank 0's drafts on every rank, so every rank adopts rank 0's
+        drafts and trees for this step (one small broadcast per step)."""
+        if self._tp is None:
+            return drafts
+        if self._tp is True:
+            from vllm.distributed import get_tp_group
+
+            self._tp = get_tp_group()
+        mine = None
+        if self._tp.rank_in_group == 0:
+            mine = (drafts, {r: (self.trees[r].tokens.tolist(), self.trees[r].parents.tolist())
+                             for r in req_ids if r in self.trees})
+        drafts, trees = self._tp.broadcast_object(mine, src=0)
+        for r in req_ids:
+            if r in trees:
+                tokens, parents = trees[r]
+                self.trees[r] = Draft(tokens, parents)
+            else:
+                self.trees.pop(r, None)
         return drafts
 
     def _time_step(self, req_ids: Sequence[str], sampled_token_ids) -> None:
