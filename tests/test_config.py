@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+import vllm_specplug
+
 from vllm_specplug import config
 from vllm_specplug.config import (DEFAULT_NUM_SPECULATIVE_TOKENS, DRAFTER_CLASS_PATH,
                                   build_proposer, translate, unknown_method_error)
@@ -16,7 +18,7 @@ from vllm_specplug.vllm_adapter.version import (SUPPORTED_VLLM_VERSIONS,
 
 SAM_DEFAULTS = {"sam_continuation": "frequent", "sam_min_match_len": 1,
                 "sam_min_accept_prob": 0.1, "sam_min_token_prob": 0.0,
-                "sam_spec_factor": 4.0}
+                "sam_spec_factor": 4.0, "sam_corpus": "", "sam_corpus_bias": 5}
 SAM_KEYS = ("sam_continuation", "sam_min_match_len", "sam_min_accept_prob",
             "sam_min_token_prob", "sam_spec_factor")
 
@@ -26,7 +28,8 @@ def test_translate_defaults():
     assert DEFAULT_NUM_SPECULATIVE_TOKENS == 8
     assert vllm_kwargs == {"method": "custom_class", "model": DRAFTER_CLASS_PATH,
                            "num_speculative_tokens": 8}
-    assert plugin == {"method": "sam", "num_speculative_tokens": 8, "options": SAM_DEFAULTS}
+    assert plugin == {"method": "sam", "num_speculative_tokens": 8, "options": SAM_DEFAULTS,
+                      "version": vllm_specplug.__version__}
     assert isinstance(plugin["options"]["sam_spec_factor"], float)
 
 
@@ -53,7 +56,8 @@ def test_translate_options():
     assert vllm_kwargs["num_speculative_tokens"] == 5
     assert plugin == {"method": "sam", "num_speculative_tokens": 5,
                       "options": {**SAM_DEFAULTS, "sam_min_match_len": 3,
-                                  "sam_spec_factor": 2.0}}
+                                  "sam_spec_factor": 2.0},
+                      "version": vllm_specplug.__version__}
     assert isinstance(plugin["options"]["sam_spec_factor"], float)
 
 
@@ -252,3 +256,27 @@ def test_version_check_with_explicit_version_does_not_import_vllm():
     with pytest.raises(UnsupportedVLLMVersion):
         check_vllm_version("0.31.0")
     assert "vllm" not in sys.modules
+
+
+@pytest.mark.parametrize("value,expect", [
+    ("block", {"name": "block", "options": {}}),
+    ({"name": "typical", "posterior_threshold": 0.05},
+     {"name": "typical", "options": {"posterior_threshold": 0.05, "posterior_alpha": 0.3}}),
+])
+def test_acceptance_key_selects_a_scorer(value, expect):
+    _, plugin = translate({"method": "sam", "acceptance": value})
+    assert plugin["acceptance"] == expect
+    _, plugin = translate({"method": "token_recycling"})
+    assert "acceptance" not in plugin
+
+
+@pytest.mark.parametrize("value,match", [
+    ("nope", "unknown scorer 'nope'"),
+    ("greedy", "always verified greedily"),
+    ({"name": "typical", "threshold": 1}, "unknown key 'threshold'"),
+    ({"name": "typical", "posterior_alpha": -1}, "posterior_alpha"),
+    (3, "must be a scorer name"),
+])
+def test_bad_acceptance_values(value, match):
+    with pytest.raises(SpecPlugConfigError, match=match):
+        translate({"method": "sam", "acceptance": value})

@@ -74,6 +74,7 @@ def test_construction(patch_calls):
     assert d.proposer.num_speculative_tokens == K
     stats = d.stats()
     assert stats.pop("step_cost")["samples"] == 0
+    assert stats.pop("proposer")["dynamic_drafts"] == 0
     assert stats == {"active_requests": 0, "state_bytes": 0, "errors": 0, "trees_held": 0}
     target = object()
     d.load_model(target)
@@ -173,6 +174,31 @@ def test_tensor_parallel_ranks_adopt_rank0_drafts_and_trees(patch_calls, monkeyp
     # rank 1's own proposer would have drafted something else
     own = rank_drafter(1, FakeTPGroup(0))
     assert step(own, ["a", "b"], hist, [[3], [5]]) != d0
+
+
+def test_non_default_acceptance_routes_chains_to_the_tree_path(patch_calls, monkeypatch):
+    import vllm_specplug.vllm_adapter as adapter
+    from vllm_specplug.scorers import BlockScorer
+
+    tree_calls = []
+    monkeypatch.setattr(adapter, "install_tree_patches", lambda *a: tree_calls.append(1))
+    d = SpecPlugDrafter(make_vllm_config({"method": "sam", "num_speculative_tokens": K,
+                                          "acceptance": "block"}))
+    assert isinstance(d.scorer, BlockScorer) and d.route_chains and tree_calls == [1]
+    drafts = step(d, ["a"], [[1, 2, 3, 1, 2]], [[2]])
+    assert drafts[0] and d.trees["a"].is_chain
+    assert d.trees["a"].tokens.tolist() == drafts[0]
+    plain = SpecPlugDrafter(make_vllm_config())
+    assert plain.scorer is None and not plain.route_chains
+    step(plain, ["a"], [[1, 2, 3, 1, 2]], [[2]])
+    assert "a" not in plain.trees
+
+
+def test_worker_with_another_plugin_version_refuses_to_start(patch_calls):
+    cfg = make_vllm_config()
+    cfg.additional_config["specplug"]["version"] = "0.0.0-other"
+    with pytest.raises(RuntimeError, match="version mismatch.*0.0.0-other"):
+        SpecPlugDrafter(cfg)
 
 
 def test_propose_without_begin_step(drafter):

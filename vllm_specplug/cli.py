@@ -1,4 +1,5 @@
-"""``specplug``: demo, bench, list, prepare-model, and a ``vllm`` CLI wrapper."""
+"""``specplug``: demo, bench, list, prepare-model, build-tr, build-sam, and a ``vllm``
+CLI wrapper."""
 from __future__ import annotations
 
 import argparse
@@ -118,8 +119,51 @@ def cmd_build_tr(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_list(args: argparse.Namespace) -> int:
+def cmd_build_sam(args: argparse.Namespace) -> int:
+    """Tokenize text corpora with the model's tokenizer; save their static automaton."""
+    import os
+
+    from transformers import AutoTokenizer
+
+    from .corpus_files import document_texts, tokenize_documents
+    from .models import default_model_path
+    from .proposers.corpus_automaton import build_corpus_automaton, tokenizer_identity
+
+    out = os.path.abspath(args.o)
+    model = args.model or default_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    if tokenizer.eos_token_id is None:
+        raise SystemExit(f"build-sam: the tokenizer of {model!r} has no EOS token")
+    skipped: dict[str, int] = {}
+    try:
+        texts = document_texts(args.corpus, args.field, skipped)
+        header = build_corpus_automaton(tokenize_documents(texts, tokenizer),
+                                        tokenizer.eos_token_id, tokenizer_identity(tokenizer),
+                                        out, progress=not args.quiet)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"build-sam: {e}")
+    for path, n in skipped.items():
+        print(f"build-sam: skipped {n} records of {path} without text "
+              f"(field {args.field or 'text/turns/prompt/output'!r})", file=sys.stderr)
+    if header["num_documents"] == 0:
+        os.remove(out)
+        raise SystemExit("build-sam: no documents found")
+    print(f"{out}: {header['num_documents']} documents, {header['num_tokens']} tokens, "
+          f"{header['num_states']} states, {header['num_edges']} transitions, "
+          f"{os.path.getsize(out) / 1e6:.1f} MB; use it with \"sam_corpus\": \"{out}\"")
+    return 0
+
+
+def _summary(cls: type) -> str:
+    """The first paragraph of a class's docstring (else of its module's), on one line."""
+    doc = cls.__dict__.get("__doc__") or getattr(sys.modules.get(cls.__module__), "__doc__", "")
+    return " ".join((doc or "").strip().split("\n\n")[0].split())
+
+
+def print_plugins() -> None:
+    """Proposers, scorers and the entry points that failed to load (no vLLM import)."""
     from .registry import get_proposer_class, load_errors, proposer_names
+    from .scorers import registry as scorers
 
     print("Speculative methods (--speculative-config '{\"method\": NAME, ...}'):")
     for name in proposer_names():
@@ -130,8 +174,26 @@ def cmd_list(args: argparse.Namespace) -> int:
               f"{cls.default_num_speculative_tokens!r}): draft budget per step")
         for opt in cls.options:
             print(f"    {opt.describe()}")
-    for name, err in load_errors().items():
-        print(f"  {name}: FAILED TO LOAD: {err}")
+    print(f"Acceptance rules (\"{scorers.ACCEPTANCE_KEY}\": NAME or "
+          f"{{\"name\": NAME, OPTION: VALUE, ...}}):")
+    for name in scorers.scorer_names():
+        cls = scorers.get_scorer_class(name)
+        print(f"  {name}  ({cls.__module__}.{cls.__qualname__}), lossless: "
+              f"{'yes' if cls.lossless else 'no'}")
+        if _summary(cls):
+            print(f"    {_summary(cls)}")
+        for opt in cls.options:
+            print(f"    {opt.describe()}")
+    failed = [("method", n, e) for n, e in load_errors().items()]
+    failed += [("scorer", n, e) for n, e in scorers.load_errors().items()]
+    if failed:
+        print("Plugins that failed to load:")
+    for kind, name, err in failed:
+        print(f"  {kind} {name}: FAILED TO LOAD: {err}")
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    print_plugins()
     from .vllm_adapter import PATCHES
 
     print("Patches to vLLM:")
@@ -207,7 +269,21 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--topk", type=int, default=8)
     sp.add_argument("-o", required=True, help="output .npy path")
     sp.set_defaults(func=cmd_build_tr)
-    sp = sub.add_parser("list", help="installed methods, their keys, and vLLM patches")
+    sp = sub.add_parser("build-sam", help="static corpus automaton for sam / sam_tr "
+                                          "(sam_corpus)")
+    sp.add_argument("corpus", nargs="+",
+                    help="text files (one document each), .jsonl files (one document per "
+                         "line) or directories of them")
+    sp.add_argument("--model", default=None,
+                    help="model whose tokenizer is used (default: the embedded model)")
+    sp.add_argument("--field", default=None,
+                    help="JSONL field holding the text (default: 'text', else 'turns', "
+                         "'prompt' and 'output' joined)")
+    sp.add_argument("--quiet", action="store_true", help="no progress bars")
+    sp.add_argument("-o", required=True, help="output file (e.g. corpus.sam)")
+    sp.set_defaults(func=cmd_build_sam)
+    sp = sub.add_parser("list", help="installed methods and acceptance rules, their keys, "
+                                      "and vLLM patches")
     sp.set_defaults(func=cmd_list)
     sub.add_parser("vllm", help="vLLM's CLI, e.g. `specplug vllm serve MODEL ...`",
                    add_help=False)

@@ -19,7 +19,9 @@ from __future__ import annotations
 from typing import Any, Iterable, Mapping
 
 from .options import SpecPlugConfigError, valid_keys_text, validate_options
+from . import __version__
 from .registry import get_proposer_class, load_errors, proposer_names
+from .scorers.registry import ACCEPTANCE_KEY, parse_acceptance
 
 ADDITIONAL_CONFIG_KEY = "specplug"
 DRAFTER_CLASS_PATH = "vllm_specplug.vllm_adapter.drafter.SpecPlugDrafter"
@@ -54,11 +56,14 @@ def normalize_keys(spec: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def translate(spec: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+def translate(spec: Mapping[str, Any], tokenizer: str | None = None
+              ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Validate a plugin speculative config.
 
     Returns ``(vllm_speculative_config_kwargs, plugin_config)``. Raises
     ``SpecPlugConfigError`` naming the bad key and listing the valid ones.
+    ``tokenizer`` (the target model's tokenizer folder or name), when given,
+    also checks the options against it (``Proposer.check_model``).
     """
     spec = normalize_keys(spec)
     method = spec.pop("method")
@@ -83,11 +88,23 @@ def translate(spec: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
             raise SpecPlugConfigError(
                 f"speculative_config[{taken!r}] is not used by method {method!r}; remove it. "
                 f"Valid keys: {valid_keys_text(cls.options)}")
+    acceptance = spec.pop(ACCEPTANCE_KEY, None)
     options = validate_options(method, cls.options, spec)
     cls.check_options(k, options)
+    if tokenizer is not None:
+        cls.check_model(options, tokenizer)
     vllm_kwargs = {"method": "custom_class", "model": DRAFTER_CLASS_PATH,
                    "num_speculative_tokens": k}
-    plugin = {"method": method, "num_speculative_tokens": k, "options": options}
+    plugin = {"method": method, "num_speculative_tokens": k, "options": options,
+              "version": __version__}
+    if acceptance is not None:
+        plugin["acceptance"] = parse_acceptance(acceptance)
+        if plugin["acceptance"]["name"] == "greedy":
+            raise SpecPlugConfigError(
+                "speculative_config['acceptance'] = 'greedy' is not needed: requests at "
+                "temperature 0 are always verified greedily; for temperature > 0 choose "
+                "'rejection' (the default, lossless), 'block' (lossless, accepts more on "
+                "chains) or 'typical' (not lossless)")
     if cls.auto_budget_max:
         plugin["auto_budget"] = auto
     return vllm_kwargs, plugin

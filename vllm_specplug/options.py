@@ -77,5 +77,5 @@ def validate_options(method: str, options: Sequence[Option],
 
 
 def valid_keys_text(options: Sequence[Option]) -> str:
-    base = ["method", "num_speculative_tokens"]
+    base = ["method", "num_speculative_tokens", "acceptance"]
     return ", ".join(base + [o.name for o in options])

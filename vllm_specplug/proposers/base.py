@@ -129,6 +129,12 @@ class Proposer(ABC):
         """Validate the options together (files they name included) before the
         engine starts; raise ``SpecPlugConfigError`` saying what to change."""
 
+    @classmethod
+    def check_model(cls, options: dict, tokenizer: str) -> None:
+        """Validate the options against the target model before the engine
+        starts (e.g. files built with its tokenizer); ``tokenizer`` is the
+        model's tokenizer folder or name. Raise ``SpecPlugConfigError``."""
+
     @abstractmethod
     def start(self, req_id: str, token_ids: Sequence[int]) -> None:
         """Begin (or rebuild) a request's state from all its tokens so far."""

@@ -1,11 +1,12 @@
 """SAM[TR]: SAM-Decoding's hybrid drafter with Token Recycling as the fallback.
 
-Each step, the request's suffix automaton gives the length of the longest
-earlier match of the context's suffix. If it reaches ``sam_tr_threshold``,
-the step drafts SAM's continuation as a chain (long matches are usually
-copied text); otherwise Token Recycling's tree. Both proposers see every
-committed token and Token Recycling's matrix learns from every verify
-forward, whichever branch drafted.
+Each step, SAM gives the length of the longest earlier match of the
+context's suffix (in the request's own text, or in a static corpus automaton
+less ``sam_corpus_bias``: ``SamProposer.match_len``). If it reaches
+``sam_tr_threshold``, the step drafts SAM's continuation as a chain (long
+matches are usually copied text); otherwise Token Recycling's tree. Both
+proposers see every committed token and Token Recycling's matrix learns from
+every verify forward, whichever branch drafted.
 
 Per-branch counts and accepted tokens are kept (``debug_stats``), so the
 benchmark can report how often each branch was taken and its tau.
@@ -39,8 +40,13 @@ class SamTokenRecyclingProposer(Proposer):
 
     @classmethod
     def check_options(cls, num_speculative_tokens: int, options: dict) -> None:
-        TokenRecyclingProposer.check_options(num_speculative_tokens, _pick(
-            options, TokenRecyclingProposer))
+        for part in (SamProposer, TokenRecyclingProposer):
+            part.check_options(num_speculative_tokens, _pick(options, part))
+
+    @classmethod
+    def check_model(cls, options: dict, tokenizer: str) -> None:
+        for part in (SamProposer, TokenRecyclingProposer):
+            part.check_model(_pick(options, part), tokenizer)
 
     def __init__(self, num_speculative_tokens: int, sam_tr_threshold: int = 5,
                  auto_budget: bool = False, **options) -> None:
@@ -70,7 +76,7 @@ class SamTokenRecyclingProposer(Proposer):
         self.tr.observe(req_id, committed_ids, target_topk)
 
     def match_len(self, req_id: str) -> int:
-        return self.sam._automata[req_id].match_len
+        return self.sam.match_len(req_id)
 
     def propose(self, req_id: str, budget: int) -> Draft:
         self.tr.relative_token_cost = self.relative_token_cost
@@ -99,6 +105,7 @@ class SamTokenRecyclingProposer(Proposer):
         for b in ("sam", "tr"):
             steps = s[f"{b}_steps"]
             s[f"{b}_tau"] = round(1 + s[f"{b}_accepted"] / steps, 4) if steps else None
+        s["sam"] = self.sam.debug_stats()
         s["token_recycling"] = self.tr.debug_stats()
         return s
 

@@ -1,6 +1,12 @@
-"""Acceptance rules: which drafted nodes the target accepts, and the bonus token."""
+"""Acceptance rules: which drafted nodes the target accepts, and the bonus token.
+
+By name (built-ins and third-party entry points): ``scorers.registry``.
+"""
 from .base import Acceptance, Scorer
+from .block import BlockScorer
 from .greedy import GreedyScorer
 from .rejection import RejectionScorer
+from .typical import TypicalScorer
 
-__all__ = ["Acceptance", "GreedyScorer", "RejectionScorer", "Scorer"]
+__all__ = ["Acceptance", "BlockScorer", "GreedyScorer", "RejectionScorer", "Scorer",
+           "TypicalScorer"]

@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+import numpy as np
+
 from ..budget import SAVE_EVERY, StepCostModel, load_prior, save_fit
 from ..config import ADDITIONAL_CONFIG_KEY, build_proposer
 from ..proposers.base import Draft
@@ -72,10 +74,27 @@ class SpecPlugDrafter:
                 "vllm_specplug's drafter was selected without its configuration; select a "
                 "method by name, e.g. --speculative-config '{\"method\": \"sam\"}', instead of "
                 "naming the drafter class in speculative_config['model']")
+        from .. import __version__
+
+        configured = plugin.get("version")
+        if configured is not None and configured != __version__:
+            raise RuntimeError(
+                f"vllm-specplug version mismatch: the engine was configured by vllm-specplug "
+                f"{configured}, but this worker (host {platform.node()}) has {__version__}; "
+                f"install the same vllm-specplug version on every node")
         self.plugin = plugin
         self.method = plugin["method"]
         self.k = int(vllm_config.speculative_config.num_speculative_tokens)
         self.proposer = build_proposer(plugin)
+        # The acceptance rule for temperature > 0 (None: lossless rejection
+        # sampling; chains then go through vLLM's own rejection sampler).
+        # Any other rule sees chains too: they are verified on the tree path.
+        self.scorer = None
+        if plugin.get("acceptance"):
+            from ..scorers.registry import build_scorer
+
+            self.scorer = build_scorer(plugin["acceptance"])
+        self.route_chains = self.scorer is not None
         # req_id -> the tree drafted last (chains are not stored); a scheduled
         # draft is verified as a tree only if its tokens are a prefix of it
         # (else vLLM's chain path verifies it)
@@ -100,7 +119,7 @@ class SpecPlugDrafter:
         pc = getattr(vllm_config, "parallel_config", None)
         self._tp = True if getattr(pc, "tensor_parallel_size", 1) > 1 else None
         install_worker_patches()
-        if self.proposer.drafts_trees:
+        if self.proposer.drafts_trees or self.route_chains:
             install_tree_patches(vllm_config)
 
     # vLLM's CPU runner calls this unconditionally; model-free methods ignore it.
@@ -206,8 +225,11 @@ class SpecPlugDrafter:
                 self.proposer.observe(req_id, [], topk)
         self._seen[req_id] = (n, int(token_ids_cpu[row, n - 1]))
         draft = self.proposer.propose(req_id, self.k)
-        if draft.parents is not None and not draft.is_chain:
-            self.trees[req_id] = Draft(draft.tokens[: self.k], draft.parents[: self.k])
+        if len(draft.tokens) and (self.route_chains or (draft.parents is not None
+                                                        and not draft.is_chain)):
+            parents = (draft.parents if draft.parents is not None
+                       else np.arange(len(draft.tokens)) - 1)
+            self.trees[req_id] = Draft(draft.tokens[: self.k], parents[: self.k])
         else:
             self.trees.pop(req_id, None)
         return draft.tokens[: self.k].tolist()
@@ -235,7 +257,7 @@ class SpecPlugDrafter:
         debug = getattr(self.proposer, "debug_stats", None)
         if debug is not None:
             out["proposer"] = debug()
-        if self.proposer.drafts_trees:
+        if self.proposer.drafts_trees or self.route_chains:
             from .tree_runtime import STEP
 
             out["tree"] = dict(STEP.stats)

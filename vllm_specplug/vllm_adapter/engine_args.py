@@ -32,7 +32,8 @@ def make_create_speculative_config(original):
                     raise ValueError(
                         f"{flag} and --speculative-config['{key}'] are mutually exclusive")
                 spec[key] = value
-            vllm_kwargs, plugin = plugin_config.translate(spec)
+            vllm_kwargs, plugin = plugin_config.translate(
+                spec, tokenizer=target_model_config.tokenizer)
             self.spec_method = self.spec_model = self.spec_tokens = None
             self.speculative_config = vllm_kwargs
             self.additional_config = {**(self.additional_config or {}),

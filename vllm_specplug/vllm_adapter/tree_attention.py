@@ -12,7 +12,7 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
                 output_scale=None, output_block_scale=None):
         result = super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                  output_scale, output_block_scale)
-        if attn_metadata is not None and STEP.requests:
+        if attn_metadata is not None and STEP.attended:
             if (self.sliding_window not in (None, -1) or self.alibi_slopes is not None
                     or self.logits_soft_cap or self.sinks is not None):
                 raise NotImplementedError(

@@ -63,7 +63,7 @@ class TreeFlashAttentionImpl(FlashAttentionImpl):
                 output_scale=None, output_block_scale=None):
         result = super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                  output_scale, output_block_scale)
-        if attn_metadata is not None and STEP.requests and self.tree_layer:
+        if attn_metadata is not None and STEP.attended and self.tree_layer:
             self._check_step(query, kv_cache, attn_metadata)
             flash_tree_attention(self, query, kv_cache, attn_metadata.block_table, output)
         return result

@@ -51,6 +51,9 @@ class TreeRequest:
     tokens: np.ndarray    # [n]
     slots: torch.Tensor   # [base + 1 + n] KV slots of positions 0 .. base + n
     mask: torch.Tensor    # [n, base + 1 + n] which keys each node attends to
+    # A chain (routed here for a non-default acceptance rule): vLLM's causal
+    # attention is already right for it, so its rows are not recomputed.
+    chain: bool = False
 
 
 @dataclass
@@ -107,6 +110,7 @@ class StepTrees:
     requests: list[TreeRequest] = field(default_factory=list)
     groups: list[AttentionGroup] = field(default_factory=list)   # CPU path
     flash: FlashTreeArgs | None = None                            # CUDA path
+    attended: bool = False   # some request is a real tree (its rows are recomputed)
     stats: dict = field(default_factory=lambda: {"tree_steps": 0, "tree_nodes": 0,
                                                  "tree_accepted": 0, "compacted": 0,
                                                  "fallbacks": 0})
@@ -115,6 +119,7 @@ class StepTrees:
         self.requests = []
         self.groups = []
         self.flash = None
+        self.attended = False
 
 
 STEP = StepTrees()
@@ -171,7 +176,8 @@ def prepare_tree_requests(runner, scheduler_output) -> None:
             STEP.stats["fallbacks"] += 1
             continue
         parents = tree.parents[:n]
-        if Draft(np.asarray(toks), parents).is_chain:
+        chain = Draft(np.asarray(toks), parents).is_chain
+        if chain and not drafter.route_chains:
             continue
         row = runner.input_batch.req_id_to_index[req_id]
         why = "structured output" if req_id in structured else _falls_back(runner, row)
@@ -185,19 +191,22 @@ def prepare_tree_requests(runner, scheduler_output) -> None:
         d = depths(parents)
         runner.positions[root_row + 1: root_row + 1 + n] = torch.from_numpy(
             (base + d).astype(np.int64)).to(runner.positions.device)
-        STEP.requests.append(tree_request(req_id, row, root_row, base, parents, toks,
-                                          block_table[row], bs))
+        tr = tree_request(req_id, row, root_row, base, parents, toks, block_table[row], bs)
+        tr.chain = chain
+        STEP.requests.append(tr)
+    attended = [tr for tr in STEP.requests if not tr.chain]
+    STEP.attended = bool(attended)
     if runner.positions.device.type == "cuda":
-        if STEP.requests:
+        if attended:
             if not FLASH_TREE_LAYERS:
                 raise RuntimeError(
                     "vllm_specplug tree verification: this engine's attention layers do not "
                     "use the FLASH_ATTN override (TreeFlashAttentionBackend), so draft trees "
                     "would be verified with causal attention; select the FLASH_ATTN "
                     "attention backend")
-            STEP.flash = build_flash_args(STEP.requests, runner.positions.device)
+            STEP.flash = build_flash_args(attended, runner.positions.device)
     else:
-        STEP.groups = build_groups(STEP.requests)
+        STEP.groups = build_groups(attended)
 
 
 def tree_request(req_id: str, row: int, root_row: int, base: int, parents: np.ndarray,
@@ -357,6 +366,7 @@ def accept_trees(runner, rows_per_request: list[torch.Tensor], sampler_output) -
     """Replace tree requests' outputs with tree acceptance, then compact KV."""
     sm = runner.input_batch.sampling_metadata
     out = sampler_output.sampled_token_ids
+    scorer = getattr(getattr(runner, "drafter", None), "scorer", None)
     src: list[int] = []
     dst: list[int] = []
     for tr, rows in zip(STEP.requests, rows_per_request):
@@ -369,7 +379,7 @@ def accept_trees(runner, rows_per_request: list[torch.Tensor], sampler_output) -
             top_k = int(sm.top_k[tr.row]) if sm.top_k is not None else 0
             top_p = float(sm.top_p[tr.row]) if sm.top_p is not None else 1.0
             probs = _processed_probs(rows, temp, top_k, top_p)
-            acc = _REJECTION.accept(draft, probs, None, _rng_for(sm, tr.row))
+            acc = (scorer or _REJECTION).accept(draft, probs, None, _rng_for(sm, tr.row))
         toks = acc.tokens(draft)
         out[tr.row].fill_(-1)
         out[tr.row, : len(toks)] = torch.tensor(toks, dtype=out.dtype)
