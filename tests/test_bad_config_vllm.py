@@ -75,3 +75,16 @@ def test_plugin_is_registered_as_a_general_plugin():
 
     eps = [ep for ep in entry_points(group="vllm.general_plugins") if ep.name == "specplug"]
     assert eps and eps[0].value == "vllm_specplug:register"
+
+
+def test_corpus_from_another_tokenizer_fails_in_vllm_config(model_path, tmp_path):
+    """Through vLLM's own config path: the target's tokenizer reaches our check."""
+    from vllm_specplug.proposers.corpus_automaton import build_corpus_automaton
+
+    path = tmp_path / "other.sam"
+    build_corpus_automaton([[1, 2, 3]], 0, {"name": "other-tok", "vocab_sha256": "0" * 64},
+                           path, progress=False)
+    with pytest.raises(SpecPlugConfigError, match="other-tok"):
+        _llm(model_path, {"method": "sam", "sam_corpus": str(path)})
+    with pytest.raises(SpecPlugConfigError, match="unknown scorer 'fast'"):
+        _llm(model_path, {"method": "sam", "acceptance": "fast"})
