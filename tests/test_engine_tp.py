@@ -9,7 +9,14 @@ import pytest
 
 from helpers import chat, pick
 
-pytestmark = pytest.mark.engine
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.skip(reason=(
+        "the embedded SmolLM2-135M has 9 attention heads (3 KV heads), which vLLM cannot "
+        "split over 2 ranks ('Total number of attention heads (9) must be divisible by "
+        "tensor parallel size (2)'); needs a model with an even head count (e.g. SmolLM2 "
+        "with zero-padded heads); rank agreement is unit-tested in test_drafter_unit.py")),
+]
 
 MAX_TOKENS = 40
 # vLLM's CPU platform needs one OpenMP core list per rank ("Not enough
