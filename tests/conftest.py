@@ -44,7 +44,8 @@ def get_llm(model_path):
         while len(_ENGINES) >= MAX_LIVE_ENGINES:
             _shutdown(_ENGINES.pop(next(iter(_ENGINES))))
         overrides.setdefault("max_model_len", 2048)
-        _ENGINES[name] = build_llm(model_path, speculative_config, **overrides)
+        model = overrides.pop("model", model_path)
+        _ENGINES[name] = build_llm(model, speculative_config, **overrides)
         return _ENGINES[name]
 
     yield get

@@ -227,3 +227,73 @@ def check_tokenizer(model_dir: Path | str, gguf: Path, texts=TOKENIZER_CHECK_TEX
         if ours != ref:
             bad.append(f"{text[:30]!r}: converted {ours[:12]} vs gguf {ref[:12]}")
     return bad
+
+
+PADDING_VERSION = 1  # bump when the head padding changes
+
+
+def padded_heads_model_path(tensor_parallel_size: int = 2) -> str:
+    """The embedded model with zero attention heads added so that its KV
+    heads (and query heads) divide ``tensor_parallel_size``; it computes the
+    same function. SmolLM2-135M has 9 query / 3 KV heads, which vLLM cannot
+    split over 2 ranks; padded to 12 / 4 it can. Each query group keeps its
+    KV head (query head h uses KV head h // group); the added heads have
+    zero projections, so they contribute nothing (zero o_proj columns)."""
+    import math
+
+    from filelock import FileLock
+
+    src = Path(default_model_path())
+    cfg = json.loads((src / "config.json").read_text())
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    group = heads // kv_heads
+    new_kv = math.ceil(kv_heads / tensor_parallel_size) * tensor_parallel_size
+    new_heads = new_kv * group
+    out = src.with_name(f"{src.name}-heads{new_heads}")
+    stamp = {"padding_version": PADDING_VERSION, "source": str(src),
+             "source_marker": json.loads((src / _MARKER).read_text())}
+    marker = out / "specplug_padding.json"
+    if marker.exists() and json.loads(marker.read_text()) == stamp:
+        return str(out)
+    with FileLock(str(out) + ".lock"):
+        if marker.exists() and json.loads(marker.read_text()) == stamp:
+            return str(out)
+        _write_padded(src, out, cfg, head_dim, new_heads, new_kv, stamp)
+    return str(out)
+
+
+def _write_padded(src: Path, out: Path, cfg: dict, head_dim: int, new_heads: int,
+                  new_kv: int, stamp: dict) -> None:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    tmp = out.with_name(out.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    shutil.copytree(src, tmp, ignore=shutil.ignore_patterns("model.safetensors"))
+
+    def pad(t: torch.Tensor, size: int, dim: int) -> torch.Tensor:
+        shape = list(t.shape)
+        shape[dim] = size - t.shape[dim]
+        return torch.cat([t, t.new_zeros(shape)], dim=dim).contiguous()
+
+    tensors = load_file(str(src / "model.safetensors"))
+    for name in list(tensors):
+        t = tensors[name]
+        if name.endswith("self_attn.q_proj.weight"):
+            tensors[name] = pad(t, new_heads * head_dim, 0)
+        elif name.endswith(("self_attn.k_proj.weight", "self_attn.v_proj.weight")):
+            tensors[name] = pad(t, new_kv * head_dim, 0)
+        elif name.endswith("self_attn.o_proj.weight"):
+            tensors[name] = pad(t, new_heads * head_dim, 1)
+        elif "self_attn" in name and name.endswith("bias"):
+            raise ModelPreparationError(f"cannot pad attention biases ({name})")
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    cfg = {**cfg, "num_attention_heads": new_heads, "num_key_value_heads": new_kv,
+           "head_dim": head_dim}
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    (tmp / "specplug_padding.json").write_text(json.dumps(stamp))
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
