@@ -18,6 +18,7 @@ from typing import ClassVar, Sequence
 import numpy as np
 
 from ..options import Option
+from ..tree import depths
 from .base import Draft, Proposer, TargetTopK
 
 
@@ -186,10 +187,9 @@ class RandomTreeProposer(_ContextTracking):
             tokens = rng.integers(0, 49152, size=n)
         else:
             generated = len(ctx) - self._prompt_len.get(req_id, len(ctx))
-            depth = np.zeros(n, dtype=np.int64)
-            for i, p in enumerate(parents):
-                depth[i] = 0 if p < 0 else depth[p] + 1
             lists = self.vocab
-            tokens = np.array([rng.choice(lists[min(generated + int(d), len(lists) - 1)])
-                               for d in depth], dtype=np.int64)
+            # depths() counts the root's children as 1; list i is for offset i
+            tokens = np.array([rng.choice(lists[min(generated + int(d) - 1, len(lists) - 1)])
+                               for d in depths(np.array(parents, dtype=np.int32))],
+                              dtype=np.int64)
         return Draft(tokens, np.array(parents, dtype=np.int32))
