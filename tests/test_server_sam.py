@@ -3,11 +3,8 @@ the ``openai`` client: greedy outputs equal plain decoding's, streaming and not.
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
-import time
 
 import pytest
 import requests
@@ -20,44 +17,18 @@ SAM = {"method": "sam", "num_speculative_tokens": 8}
 MAX_TOKENS = 48
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(model_path, tmp_path_factory):
-    port = _free_port()
+    from vllm_specplug.bench.server import running_server
+
     log = tmp_path_factory.mktemp("server") / "server.log"
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    cmd = [sys.executable, "-m", "vllm_specplug.cli", "vllm", "serve", model_path,
-           "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-           "--enforce-eager", "--max-model-len", "2048", "--served-model-name", "smollm2",
-           "--speculative-config", json.dumps(SAM)]
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
+    args = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
+            "--served-model-name", "smollm2", "--speculative-config", json.dumps(SAM)]
     try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-            try:
-                if requests.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            if time.time() > deadline:
-                pytest.fail(f"server did not start in 300 s:\n{log.read_text()[-4000:]}")
-            time.sleep(2)
-        yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        with running_server(model_path, args, log, env={"VLLM_CPU_KVCACHE_SPACE": "1"}) as base:
+            yield base
+    except RuntimeError as e:
+        pytest.fail(str(e))
 
 
 @pytest.fixture(scope="module")
