@@ -92,3 +92,22 @@ def test_method_config_variants_and_errors():
         method_config("nope")
     with pytest.raises(BenchError, match="plain"):
         method_config("plain", {"plain": {"x": 1}})
+
+
+def test_prompt_halves_are_disjoint_and_cover_every_category():
+    """``--half even`` (benchmark) and ``--half odd`` (corpus answers) split
+    each category's prompts in two, alternating, with nothing shared."""
+    from vllm_specplug.bench.prompts import load_prompts
+
+    all_rows = load_prompts()
+    even, odd = load_prompts(half="even"), load_prompts(half="odd")
+    assert {r["id"] for r in even}.isdisjoint({r["id"] for r in odd})
+    assert len(even) + len(odd) == len(all_rows)
+    for cat in {r["category"] for r in all_rows}:
+        ids = [r["id"] for r in all_rows if r["category"] == cat]
+        assert [r["id"] for r in even if r["category"] == cat] == ids[0::2]
+        assert [r["id"] for r in odd if r["category"] == cat] == ids[1::2]
+    assert len(load_prompts(half="even", per_category=2)) == 2 * len({r["category"]
+                                                                      for r in all_rows})
+    with pytest.raises(ValueError, match="half"):
+        load_prompts(half="first")

@@ -1,4 +1,4 @@
-"""``specplug``: demo, bench, list, prepare-model, build-tr, build-sam, and a ``vllm``
+"""``specplug``: demo, bench, list, prepare-model, answers, build-tr, build-sam, and a ``vllm``
 CLI wrapper."""
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     max_tokens = max_tokens or 256
     try:
         prompts = load_prompts(args.prompts, per_cat, cats.split(",") if isinstance(cats, str)
-                               else cats)
+                               else cats, half=args.half)
     except (OSError, ValueError) as e:
         raise SystemExit(f"--prompts: {e}")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -116,6 +116,36 @@ def cmd_build_tr(args: argparse.Namespace) -> int:
     print(f"{out}: {m.shape[0]} x {m.shape[1]} int32 matrix, {filled} rows filled from "
           f"{len(rows)} prompts ({sum(len(o.outputs[0].token_ids) for o in outs)} tokens); "
           f"use it with \"tr_matrix\": \"{out}\"")
+    return 0
+
+
+def cmd_answers(args: argparse.Namespace) -> int:
+    """The model's own greedy answers to prompts (plain decoding, one batch),
+    as JSONL rows with a ``text`` field: a corpus for ``build-sam``."""
+    import os
+
+    from .bench.engine import build_llm
+    from .bench.prompts import load_prompts
+    from .models import default_model_path
+
+    try:
+        rows = load_prompts(args.prompts, args.per_category, half=args.half)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--prompts: {e}")
+    out = os.path.abspath(args.o)
+    llm = build_llm(args.model or default_model_path(), None)
+    from vllm import SamplingParams
+
+    msgs = [[{"role": "user", "content": r["prompt"]}] for r in rows]
+    outs = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=args.max_tokens),
+                    use_tqdm=True)
+    with open(out, "w") as f:
+        for r, o in zip(rows, outs):
+            f.write(json.dumps({"question_id": r["id"], "category": r["category"],
+                                "prompt": r["prompt"], "text": o.outputs[0].text}) + "\n")
+    n_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    print(f"{out}: {len(rows)} answers, {n_tokens} tokens; build a corpus with "
+          f"`specplug build-sam {out} -o corpus.sam`")
     return 0
 
 
@@ -239,6 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="JSONL with 'turns' or 'prompt' (default: vendored Spec-Bench)")
         sp.add_argument("--per-category", type=int, default=None)
         sp.add_argument("--categories", default=None, help="comma-separated categories")
+        sp.add_argument("--half", choices=("even", "odd"), default=None,
+                        help="only the prompts at even (odd) positions in each category")
         sp.add_argument("--max-tokens", type=int, default=None, help="default 256")
         sp.add_argument("--temperature", type=float, default=0.0)
         sp.add_argument("--speculative-config", action="append", default=[],
@@ -269,6 +301,18 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--topk", type=int, default=8)
     sp.add_argument("-o", required=True, help="output .npy path")
     sp.set_defaults(func=cmd_build_tr)
+    sp = sub.add_parser("answers", help="the model's own greedy answers to prompts (a "
+                                        "corpus for build-sam)")
+    sp.add_argument("--model", default=None, help="default: the embedded model")
+    sp.add_argument("--prompts", default=None,
+                    help="JSONL with 'turns' or 'prompt' (default: vendored Spec-Bench)")
+    sp.add_argument("--half", choices=("even", "odd"), default=None,
+                    help="only the prompts at even (odd) positions in each category; "
+                         "benchmark the other half")
+    sp.add_argument("--per-category", type=int, default=None)
+    sp.add_argument("--max-tokens", type=int, default=256)
+    sp.add_argument("-o", required=True, help="output .jsonl path")
+    sp.set_defaults(func=cmd_answers)
     sp = sub.add_parser("build-sam", help="static corpus automaton for sam / sam_tr "
                                           "(sam_corpus)")
     sp.add_argument("corpus", nargs="+",

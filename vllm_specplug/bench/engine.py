@@ -61,3 +61,20 @@ def counter_delta(after: dict, before: dict) -> dict:
     a, b = after["accepted_per_pos"], before["accepted_per_pos"]
     d["accepted_per_pos"] = [a[i] - (b[i] if i < len(b) else 0) for i in range(len(a))]
     return d
+
+
+def _drafter_stats(worker):
+    drafter = getattr(worker.model_runner, "drafter", None)
+    stats = getattr(drafter, "stats", None)
+    return stats() if stats is not None else None
+
+
+def read_drafter_stats(llm) -> dict | None:
+    """Our drafter's ``stats()`` on the first worker (proposer debug stats
+    included: e.g. sam_tr's branch counts), or None for vLLM's own methods.
+    Needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` in the engine's environment
+    (the benchmark worker sets it)."""
+    try:
+        return llm.llm_engine.collective_rpc(_drafter_stats)[0]
+    except Exception:  # noqa: BLE001 - stats are a report extra, never fatal
+        return None

@@ -17,15 +17,25 @@ def spec_bench_path() -> Path:
     return Path(str(resources.files("vllm_specplug") / "data" / "spec_bench_question.jsonl"))
 
 
+HALVES = ("even", "odd")
+
+
 def load_prompts(path: str | Path | None = None, per_category: int | None = None,
-                 categories: Iterable[str] | None = None) -> list[dict]:
+                 categories: Iterable[str] | None = None, half: str | None = None) -> list[dict]:
     """Rows of ``{"id", "category", "prompt"}`` in file order, ``per_category``
-    first prompts of each category (all if None)."""
+    first prompts of each category (all if None).
+
+    ``half`` keeps the prompts at even (or odd) positions within their
+    category: the two halves are disjoint, so one can be benchmarked while
+    the model's answers to the other build a static corpus (``specplug answers``)."""
+    if half is not None and half not in HALVES:
+        raise ValueError(f"half must be one of {HALVES}, not {half!r}")
     path = Path(path) if path else spec_bench_path()
     if not path.exists():
         raise FileNotFoundError(f"prompt file {path} does not exist")
     wanted = set(categories) if categories else None
     counts: dict[str, int] = defaultdict(int)
+    positions: dict[str, int] = defaultdict(int)
     rows = []
     with open(path) as f:
         for lineno, line in enumerate(f, 1):
@@ -45,6 +55,10 @@ def load_prompts(path: str | Path | None = None, per_category: int | None = None
                 raise ValueError(f"{path}:{lineno}: the prompt must be a string")
             cat = str(obj.get("category", "all"))
             if wanted is not None and cat not in wanted:
+                continue
+            position = positions[cat]
+            positions[cat] += 1
+            if half is not None and position % 2 != HALVES.index(half):
                 continue
             if per_category is not None and counts[cat] >= per_category:
                 continue

@@ -12,7 +12,7 @@ import time
 def run(cfg: dict) -> dict:
     from vllm import SamplingParams
 
-    from .engine import build_llm, counter_delta, read_spec_counters
+    from .engine import build_llm, counter_delta, read_drafter_stats, read_spec_counters
 
     t0 = time.perf_counter()
     llm = build_llm(cfg["model"], cfg["speculative_config"], **cfg.get("engine", {}))
@@ -45,10 +45,16 @@ def run(cfg: dict) -> dict:
         batch = {"seconds": dt, "generated": sum(len(o.outputs[0].token_ids) for o in outs),
                  "token_ids": [list(o.outputs[0].token_ids) for o in outs], **delta}
         print("@@progress", flush=True)
-    return {"engine_start_seconds": start_s, "results": results, "batch": batch}
+    drafter = read_drafter_stats(llm) if cfg["speculative_config"] is not None else None
+    return {"engine_start_seconds": start_s, "results": results, "batch": batch,
+            "drafter_stats": drafter}
 
 
 def main() -> None:
+    import os
+
+    # lets the report read our drafter's stats from the engine process
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     cfg = json.load(open(sys.argv[1]))
     res = run(cfg)
     with open(sys.argv[2], "w") as f:
