@@ -40,9 +40,21 @@ def markdown(res: dict) -> str:
     lines += ["", "Acceptance rate per draft position (accepted at position i / drafted steps)",
               "", "| method | per position |", "|---|---|"]
     for m in methods:
-        pp = res["methods"][m]["overall"]["acceptance_per_position"]
+        pp = list(res["methods"][m]["overall"]["acceptance_per_position"] or [])
+        while pp and not pp[-1]:  # tree budgets leave long tails of unused positions
+            pp.pop()
         if pp:
             lines.append(f"| {m} | " + ", ".join(_f(x) for x in pp) + " |")
+    hybrid = {m: e["drafter_stats"]["proposer"] for m, e in res["methods"].items()
+              if "sam_steps" in ((e.get("drafter_stats") or {}).get("proposer") or {})}
+    if hybrid:
+        lines += ["", "Hybrid drafter branches (steps drafted by each branch and its tau "
+                  "over those steps)", "",
+                  "| method | SAM chain steps | SAM tau | TR tree steps | TR tau | "
+                  "undrafted steps |", "|---|---|---|---|---|---|"]
+        for m, h in hybrid.items():
+            lines.append(f"| {m} | {h['sam_steps']} | {_f(h.get('sam_tau'))} | "
+                         f"{h['tr_steps']} | {_f(h.get('tr_tau'))} | {h['none_steps']} |")
     if any("batch" in e for e in res["methods"].values()):
         lines += ["", "All prompts in one batch", "",
                   "| method | tau | tokens/s | speedup | outputs differing |", "|---|---|---|---|---|"]
