@@ -26,6 +26,7 @@ import numpy as np
 from ..budget import SAVE_EVERY, StepCostModel, load_prior, save_fit
 from ..config import ADDITIONAL_CONFIG_KEY, build_proposer
 from ..proposers.base import Draft
+from . import stats_export
 
 logger = logging.getLogger("vllm_specplug")
 
@@ -164,6 +165,7 @@ class SpecPlugDrafter:
         if self._last_step is not None:
             self._last_step = (self._last_step[0], sum(len(d) for d in drafts),
                                self._last_step[2])
+        stats_export.maybe_write(self)  # VLLM_SPECPLUG_STATS_FILE, see stats_export
         return drafts
 
     def _agree_across_ranks(self, req_ids: Sequence[str], drafts: list[list[int]]):
@@ -243,6 +245,7 @@ class SpecPlugDrafter:
         self._seen.pop(req_id, None)
         self.trees.pop(req_id, None)
         self.proposer.finish(req_id)
+        stats_export.maybe_write(self, freed=True)
 
     # ------------------------------------------------------------ introspection
     def stats(self) -> dict[str, int]:
