@@ -111,3 +111,23 @@ def test_prompt_halves_are_disjoint_and_cover_every_category():
                                                                       for r in all_rows})
     with pytest.raises(ValueError, match="half"):
         load_prompts(half="first")
+
+
+def test_output_logprobs_match_a_token_by_token_computation(model_path):
+    """The batched scoring of an output equals scoring each of its tokens
+    from its own prefix (real embedded model, transformers on CPU)."""
+    import torch
+
+    from vllm_specplug.bench.quality import _load, mean_logprob, output_logprobs
+
+    prompt, output = [1, 504, 3458, 314, 253], [1345, 28, 30, 2]
+    [(total, n)] = output_logprobs(model_path, [(prompt, output)])
+    model = _load(model_path)
+    want = 0.0
+    with torch.inference_mode():
+        for i, tok in enumerate(output):
+            logits = model(torch.tensor([prompt + output[:i]])).logits[0, -1]
+            want += float(torch.log_softmax(logits, -1)[tok])
+    assert n == len(output)
+    assert total == pytest.approx(want, abs=1e-3)
+    assert mean_logprob([(total, n), (0.0, 0)]) == pytest.approx(want / n)

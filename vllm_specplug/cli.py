@@ -55,7 +55,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         res = run_bench(model, methods, prompts, max_tokens=max_tokens,
                         temperature=args.temperature, out_dir=Path(args.out),
                         overrides=_parse_overrides(args.speculative_config),
-                        repeat=args.repeat, batch=args.batch)
+                        repeat=args.repeat, batch=args.batch, quality=args.quality)
     except BenchError as e:
         raise SystemExit(f"bench: {e}")
     md = report.write(res, Path(args.out), with_plots=not args.no_plots)
@@ -83,7 +83,10 @@ def cmd_build_tr(args: argparse.Namespace) -> int:
     from .models import default_model_path
 
     out = os.path.abspath(args.o)
-    rows = load_prompts(args.prompts)
+    try:
+        rows = load_prompts(args.prompts, half=args.half)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--prompts: {e}")
     if args.skip_per_category or args.per_category:
         seen: dict[str, int] = {}
         kept = []
@@ -276,6 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--speculative-config", action="append", default=[],
                         metavar="METHOD=JSON", help="override a method's config")
         sp.add_argument("--repeat", type=int, default=1)
+        sp.add_argument("--quality", action=argparse.BooleanOptionalAction, default=None,
+                        help="score outputs by the target's mean log-likelihood (default: "
+                             "when --temperature > 0)")
         sp.add_argument("--batch", action="store_true", help="also run all prompts at once")
         sp.add_argument("--quick", action="store_true", default=quick,
                         help="a short run (3 prompts, 96 tokens)")
@@ -297,6 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="skip the first N prompts of each category (keep them for "
                          "benchmarking)")
     sp.add_argument("--per-category", type=int, default=0, help="then take N (0: all)")
+    sp.add_argument("--half", choices=("even", "odd"), default=None,
+                    help="only the prompts at even (odd) positions in each category; "
+                         "benchmark the other half")
     sp.add_argument("--max-tokens", type=int, default=128)
     sp.add_argument("--topk", type=int, default=8)
     sp.add_argument("-o", required=True, help="output .npy path")

@@ -45,6 +45,14 @@ def markdown(res: dict) -> str:
             pp.pop()
         if pp:
             lines.append(f"| {m} | " + ", ".join(_f(x) for x in pp) + " |")
+    if any("quality" in e for e in res["methods"].values()):
+        lines += ["", "Quality: the target's mean log-likelihood per generated token of each "
+                  "method's outputs (a lossless method matches plain sampling up to noise)", "",
+                  "| method | mean log-likelihood / token | tokens |", "|---|---|---|"]
+        for m, e in res["methods"].items():
+            q = e.get("quality")
+            if q:
+                lines.append(f"| {m} | {_f(q['mean_logprob_per_token'], 3)} | {q['tokens']} |")
     hybrid = {m: e["drafter_stats"]["proposer"] for m, e in res["methods"].items()
               if "sam_steps" in ((e.get("drafter_stats") or {}).get("proposer") or {})}
     if hybrid:

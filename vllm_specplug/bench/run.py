@@ -108,7 +108,9 @@ def counters_of(rows: list[dict]) -> Counters:
 def run_bench(model: str, methods: list[str], prompts: list[dict], *, max_tokens: int,
               temperature: float, out_dir: Path, overrides: dict[str, dict] | None = None,
               repeat: int = 1, batch: bool = False, engine: dict | None = None,
-              progress: bool = True) -> dict:
+              progress: bool = True, quality: bool | None = None) -> dict:
+    """``quality`` (default: when sampling) adds each method's mean
+    log-likelihood of its outputs under the target (``bench.quality``)."""
     from tqdm import tqdm
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -134,8 +136,22 @@ def run_bench(model: str, methods: list[str], prompts: list[dict], *, max_tokens
         raw[m] = run_worker(cfg, log_path, out_dir / "raw" / f"{m}.json",
                             on_progress=bar.update)
     bar.close()
-    return analyse(model, methods, configs, prompts, raw, notes, max_tokens=max_tokens,
-                   temperature=temperature, repeat=repeat, batch=batch)
+    res = analyse(model, methods, configs, prompts, raw, notes, max_tokens=max_tokens,
+                  temperature=temperature, repeat=repeat, batch=batch)
+    if quality if quality is not None else temperature > 0:
+        add_quality(res, model, raw)
+    return res
+
+
+def add_quality(res: dict, model: str, raw: dict) -> None:
+    from .quality import mean_logprob, output_logprobs
+
+    for m, entry in res["methods"].items():
+        rows = raw[m]["results"]
+        scores = output_logprobs(model, ((r.get("prompt_token_ids") or [], r["token_ids"])
+                                         for r in rows))
+        entry["quality"] = {"mean_logprob_per_token": mean_logprob(scores),
+                            "tokens": sum(n for _, n in scores)}
 
 
 def analyse(model, methods, configs, prompts, raw, notes, **settings) -> dict:

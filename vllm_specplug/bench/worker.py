@@ -33,7 +33,7 @@ def run(cfg: dict) -> dict:
             delta = counter_delta(read_spec_counters(llm), before)
             ids = list(out.outputs[0].token_ids)
             results.append({"id": p["id"], "category": p["category"], "repeat": rep,
-                            "token_ids": ids, "generated": len(ids), "seconds": dt, **delta})
+                            "token_ids": ids, "prompt_token_ids": list(out.prompt_token_ids), "generated": len(ids), "seconds": dt, **delta})
             print("@@progress", flush=True)
     batch = None
     if cfg.get("batch"):
