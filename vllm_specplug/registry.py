@@ -22,6 +22,7 @@ BUILTIN_PROPOSERS: dict[str, str] = {
     "sam": "vllm_specplug.proposers.sam:SamProposer",
     "token_recycling": "vllm_specplug.proposers.token_recycling:TokenRecyclingProposer",
     "sam_tr": "vllm_specplug.proposers.hybrid:SamTokenRecyclingProposer",
+    "del": "vllm_specplug.proposers.early_exit:DelProposer",
     # For tests of tree verification, not for speed:
     "debug_oracle_tree": "vllm_specplug.proposers.testing:OracleTreeProposer",
     "debug_random_tree": "vllm_specplug.proposers.testing:RandomTreeProposer",

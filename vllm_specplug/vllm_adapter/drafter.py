@@ -103,6 +103,9 @@ class SpecPlugDrafter:
         # req_id -> (number of tokens observed, last token observed)
         self._seen: dict[str, tuple[int, int]] = {}
         self._row_req_ids: Sequence[str] | None = None
+        # The model runner (set by the runner patch each step), for proposers
+        # that read the runner's block table and KV cache (del).
+        self.runner = None
         self.target_model = None
         self.num_errors = 0
         # Target top-k of the step just verified (set by the _sample patch):
@@ -126,6 +129,15 @@ class SpecPlugDrafter:
     # vLLM's CPU runner calls this unconditionally; model-free methods ignore it.
     def load_model(self, target_model: Any) -> None:
         self.target_model = target_model
+        # A proposer that runs the target (e.g. del) names an adapter factory
+        # ("module:function"); its hook object is bound here, at engine start.
+        factory = getattr(self.proposer, "target_hook", None)
+        if factory:
+            import importlib
+
+            module, _, attr = factory.partition(":")
+            hook = getattr(importlib.import_module(module), attr)(self, target_model)
+            self.proposer.bind_target(hook)
 
     def begin_step(self, req_ids: Sequence[str], scheduler_output: Any) -> None:
         self._row_req_ids = req_ids

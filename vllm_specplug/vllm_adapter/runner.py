@@ -14,6 +14,7 @@ def make_propose_draft_token_ids(original):
 
         drafter = getattr(self, "drafter", None)
         if isinstance(drafter, SpecPlugDrafter):
+            drafter.runner = self
             drafter.begin_step(self.input_batch.req_ids, scheduler_output)
         return original(self, scheduler_output, *args, **kwargs)
 
