@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
 
-from .options import SpecPlugConfigError, valid_keys_text, validate_options
+from .options import SpecPlugConfigError, did_you_mean, valid_keys_text, validate_options
 from . import __version__
 from .registry import get_proposer_class, load_errors, proposer_names
 from .scorers.registry import ACCEPTANCE_KEY, parse_acceptance
@@ -34,14 +34,18 @@ def is_plugin_method(method: Any) -> bool:
     return isinstance(method, str) and method in proposer_names()
 
 
-def unknown_method_error(method: Any, vllm_methods: Iterable[str]) -> SpecPlugConfigError:
-    errors = load_errors()
+def unknown_method_error(method: Any, vllm_methods: Iterable[str] = ()) -> SpecPlugConfigError:
+    """``vllm_methods`` empty: the message lists ours only (no vLLM import here)."""
+    vllm_methods = sorted(vllm_methods)
+    errors = load_errors() if isinstance(method, str) else {}
     broken = ""
     if method in errors:
         broken = f" (a plugin registered {method!r} but it failed to load: {errors[method]})"
+    hint = "" if broken else did_you_mean(method, proposer_names() + vllm_methods)
+    theirs = f"; vLLM's own methods: {', '.join(vllm_methods)}" if vllm_methods else ""
     return SpecPlugConfigError(
-        f"unknown speculative method {method!r}{broken}. vllm-specplug methods: "
-        f"{', '.join(proposer_names())}; vLLM's own methods: {', '.join(sorted(vllm_methods))}")
+        f"unknown speculative method {method!r}{broken}{hint}. vllm-specplug methods: "
+        f"{', '.join(proposer_names())}{theirs}")
 
 
 def normalize_keys(spec: Mapping[str, Any]) -> dict[str, Any]:
@@ -65,8 +69,17 @@ def translate(spec: Mapping[str, Any], tokenizer: str | None = None
     ``tokenizer`` (the target model's tokenizer folder or name), when given,
     also checks the options against it (``Proposer.check_model``).
     """
+    if not isinstance(spec, Mapping):
+        raise SpecPlugConfigError(
+            f"speculative_config must be a JSON object such as {{\"method\": \"sam\", "
+            f"\"num_speculative_tokens\": 8}}, got {spec!r}")
     spec = normalize_keys(spec)
+    if "method" not in spec:
+        raise SpecPlugConfigError(
+            f"speculative_config has no 'method'; give one of {', '.join(proposer_names())}")
     method = spec.pop("method")
+    if not is_plugin_method(method):
+        raise unknown_method_error(method)
     cls = get_proposer_class(method)
     k = spec.pop("num_speculative_tokens", None)
     if k is None:

@@ -1,12 +1,26 @@
 """Typed plugin options with validation that names the key and the fix."""
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 
 class SpecPlugConfigError(ValueError):
     """A bad ``--speculative-config`` for one of our methods."""
+
+
+def did_you_mean(name: Any, candidates: Iterable[str]) -> str:
+    """``" (did you mean 'x'?)"`` for the closest candidate, or ``""``."""
+    if not isinstance(name, str):
+        return ""
+    names = list(candidates)
+    folded = {c.lower().replace("-", "_"): c for c in names}
+    close = folded.get(name.lower().replace("-", "_"))
+    if close is None:
+        found = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
+        close = found[0] if found else None
+    return f" (did you mean {close!r}?)" if close is not None and close != name else ""
 
 
 @dataclass(frozen=True)
@@ -69,13 +83,17 @@ def validate_options(method: str, options: Sequence[Option],
     for key, value in given.items():
         opt = known.get(key)
         if opt is None:
+            hint = did_you_mean(key, [o.name for o in options] + BASE_KEYS)
             raise SpecPlugConfigError(
-                f"unknown key {key!r} in speculative_config for method {method!r}; "
+                f"unknown key {key!r} in speculative_config for method {method!r}{hint}; "
                 f"valid keys: {valid_keys_text(options)}")
         out[key] = opt.coerce(method, value)
     return out
 
 
+#: Keys every method takes (handled by ``config.translate``).
+BASE_KEYS = ["method", "num_speculative_tokens", "acceptance"]
+
+
 def valid_keys_text(options: Sequence[Option]) -> str:
-    base = ["method", "num_speculative_tokens", "acceptance"]
-    return ", ".join(base + [o.name for o in options])
+    return ", ".join(BASE_KEYS + [o.name for o in options])

