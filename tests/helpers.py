@@ -30,3 +30,24 @@ def pick(prompts: list[dict], categories: list[str], per_category: int) -> list[
             seen[c] = seen.get(c, 0) + 1
             out.append(p)
     return out
+
+
+def serve(model_path: str, tmp_path_factory, speculative_config: dict, *extra_args: str):
+    """Generator for a module-scoped fixture: a real ``specplug vllm serve`` of
+    the embedded model (served as ``smollm2``) with ``speculative_config``;
+    yields its base URL."""
+    import json
+
+    import pytest
+
+    from vllm_specplug.bench.server import running_server
+
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    args = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
+            "--served-model-name", "smollm2", "--speculative-config",
+            json.dumps(speculative_config), *extra_args]
+    try:
+        with running_server(model_path, args, log, env={"VLLM_CPU_KVCACHE_SPACE": "1"}) as base:
+            yield base
+    except RuntimeError as e:
+        pytest.fail(str(e))

@@ -8,6 +8,8 @@ import pytest
 
 import vllm_specplug
 
+BATCH_DEFAULTS = {"batch_budget": "auto", "disable_by_batch_size": None}
+
 from vllm_specplug import config
 from vllm_specplug.config import (DEFAULT_NUM_SPECULATIVE_TOKENS, DRAFTER_CLASS_PATH,
                                   build_proposer, translate, unknown_method_error)
@@ -29,7 +31,7 @@ def test_translate_defaults():
     assert vllm_kwargs == {"method": "custom_class", "model": DRAFTER_CLASS_PATH,
                            "num_speculative_tokens": 8}
     assert plugin == {"method": "sam", "num_speculative_tokens": 8, "options": SAM_DEFAULTS,
-                      "version": vllm_specplug.__version__}
+                      "version": vllm_specplug.__version__, **BATCH_DEFAULTS}
     assert isinstance(plugin["options"]["sam_spec_factor"], float)
 
 
@@ -57,7 +59,7 @@ def test_translate_options():
     assert plugin == {"method": "sam", "num_speculative_tokens": 5,
                       "options": {**SAM_DEFAULTS, "sam_min_match_len": 3,
                                   "sam_spec_factor": 2.0},
-                      "version": vllm_specplug.__version__}
+                      "version": vllm_specplug.__version__, **BATCH_DEFAULTS}
     assert isinstance(plugin["options"]["sam_spec_factor"], float)
 
 

@@ -75,6 +75,8 @@ def test_construction(patch_calls):
     stats = d.stats()
     assert stats.pop("step_cost")["samples"] == 0
     assert stats.pop("proposer")["dynamic_drafts"] == 0
+    assert stats.pop("batch_budget") == {"steps": 0, "disabled_steps": 0,
+                                         "nodes_proposed": 0, "nodes_kept": 0}
     assert stats == {"active_requests": 0, "state_bytes": 0, "errors": 0, "trees_held": 0}
     target = object()
     d.load_model(target)
@@ -246,8 +248,9 @@ def test_multi_step_simulation_matches_fresh_proposer(patch_calls, opts):
     same drafts, same learned acceptance table. Without the learned cut, a
     fresh proposer given the history drafts the same too.
     """
+    # (batch-aware budgets off: they would cut drafts the direct proposer keeps)
     drafter = SpecPlugDrafter(make_vllm_config(
-        {"method": "sam", "num_speculative_tokens": K, **opts}))
+        {"method": "sam", "num_speculative_tokens": K, "batch_budget": "off", **opts}))
     direct = SamProposer(K, **opts)
     stateless = opts.get("sam_min_accept_prob") == 0.0
     nonempty_drafts = 0

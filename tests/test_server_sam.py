@@ -9,7 +9,7 @@ import sys
 import pytest
 import requests
 
-from helpers import chat, pick
+from helpers import chat, pick, serve
 
 pytestmark = pytest.mark.server
 
@@ -19,16 +19,7 @@ MAX_TOKENS = 48
 
 @pytest.fixture(scope="module")
 def server(model_path, tmp_path_factory):
-    from vllm_specplug.bench.server import running_server
-
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    args = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
-            "--served-model-name", "smollm2", "--speculative-config", json.dumps(SAM)]
-    try:
-        with running_server(model_path, args, log, env={"VLLM_CPU_KVCACHE_SPACE": "1"}) as base:
-            yield base
-    except RuntimeError as e:
-        pytest.fail(str(e))
+    yield from serve(model_path, tmp_path_factory, SAM)
 
 
 @pytest.fixture(scope="module")

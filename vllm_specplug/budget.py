@@ -124,3 +124,112 @@ def load_prior(path: Path) -> StepCostModel | None:
     if not (0.0 <= ratio < 10.0) or data.get("format") != 1:
         return None
     return StepCostModel(prior_a=1.0, prior_b=ratio, prior_weight=CACHED_PRIOR_WEIGHT)
+
+
+def monotone_values(values: np.ndarray, parents: np.ndarray | None) -> np.ndarray:
+    """Node values made non-increasing from parent to child (a node cannot be
+    on the accepted path more often than its parent)."""
+    v = np.clip(np.asarray(values, dtype=np.float64), 0.0, 1.0)
+    for i in range(v.size):
+        p = (i - 1) if parents is None else int(parents[i])
+        if p >= 0 and v[i] > v[p]:
+            v[i] = v[p]
+    return v
+
+
+
+def allocate_batch(drafts: list, a: float, b: float, rows: int) -> list:
+    """Batch-aware draft budgets (in the spirit of TETRIS, arXiv 2502.15197).
+
+    One step verifies ``rows`` tokens (one per decoding request) plus the
+    drafts, and costs ``a + b * tokens`` seconds. Node j of a ``Draft`` is on
+    the accepted path with probability ``draft.scores[j]``. Nodes are taken
+    greedily across the whole batch, most likely first, while one more node
+    raises the batch's expected tokens per second::
+
+        v > N * b / (a + b * T)   (N expected tokens out, T tokens verified)
+
+    so speculation shrinks as the batch grows and turns off when no node is
+    likely enough to pay for itself. Drafts without scores are kept whole
+    (their cost counts). Returns the drafts cut to the chosen nodes: a chain
+    keeps a prefix, a tree an ancestor-closed subset (values are made
+    monotone from parent to child, and ties keep parents first)."""
+    from .proposers.base import Draft
+
+    n_tokens = float(rows)
+    expected = float(rows)
+    cands: list[tuple[float, int, int]] = []
+    for i, d in enumerate(drafts):
+        if d.scores is None:
+            n_tokens += len(d)
+            continue
+        m = monotone_values(d.scores, d.parents)
+        cands.extend((-float(x), i, j) for j, x in enumerate(m))
+    cands.sort()
+    keep = [np.zeros(len(d), dtype=bool) for d in drafts]
+    for neg_v, i, j in cands:
+        v = -neg_v
+        if v <= expected * b / (a + b * n_tokens):
+            break
+        keep[i][j] = True
+        expected += v
+        n_tokens += 1
+    out = []
+    for d, k in zip(drafts, keep):
+        if d.scores is None or k.all():
+            out.append(d)
+        elif not k.any():
+            out.append(Draft.empty())
+        else:
+            out.append(subset(d, k))
+    return out
+
+
+def subset(draft, keep: np.ndarray):
+    """The nodes of ``draft`` where ``keep`` (an ancestor-closed mask), with
+    parents renumbered."""
+    from .proposers.base import Draft
+
+    keep = np.asarray(keep, dtype=bool)
+    parents = draft.parent_array()
+    if np.any(keep & (parents >= 0) & ~keep[np.maximum(parents, 0)]):
+        raise ValueError("subset: the kept nodes are not closed under parents")
+    new_index = np.cumsum(keep) - 1
+    kept_parents = parents[keep]
+    new_parents = np.where(kept_parents < 0, -1, new_index[np.maximum(kept_parents, 0)])
+    scores = None if draft.scores is None else draft.scores[keep]
+    if draft.parents is None:
+        return Draft.chain(draft.tokens[keep], scores)
+    return Draft(draft.tokens[keep], new_parents.astype(np.int32), scores)
+
+
+#: Plugin-wide keys of ``--speculative-config`` for batch-aware budgets.
+BATCH_BUDGET_KEY = "batch_budget"
+DISABLE_BY_BATCH_SIZE_KEY = "disable_by_batch_size"
+BATCH_BUDGET_MODES = ("auto", "off")
+
+
+def pop_batch_options(spec: dict) -> dict:
+    """Take and validate the batch-aware budget keys from a speculative config:
+
+    * ``"batch_budget"``: ``"auto"`` (default: when two or more requests
+      decode, draft nodes are shared out across the batch by ``allocate_batch``
+      from the measured step cost) or ``"off"`` (every request keeps its
+      proposer's draft);
+    * ``"disable_by_batch_size"``: no speculation at all in steps with at
+      least this many decoding requests (default: none; the automatic budget
+      already turns speculation off when it stops paying)."""
+    from .options import SpecPlugConfigError
+
+    mode = spec.pop(BATCH_BUDGET_KEY, "auto")
+    if mode not in BATCH_BUDGET_MODES:
+        raise SpecPlugConfigError(
+            f"speculative_config[{BATCH_BUDGET_KEY!r}] must be one of "
+            f"{', '.join(map(repr, BATCH_BUDGET_MODES))}, got {mode!r}")
+    limit = spec.pop(DISABLE_BY_BATCH_SIZE_KEY, None)
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)
+                              or limit < 1):
+        raise SpecPlugConfigError(
+            f"speculative_config[{DISABLE_BY_BATCH_SIZE_KEY!r}] must be an integer >= 1 "
+            f"(the batch size from which speculation is off), got {limit!r}")
+    return {BATCH_BUDGET_KEY: mode, DISABLE_BY_BATCH_SIZE_KEY: limit}

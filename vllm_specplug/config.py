@@ -20,6 +20,7 @@ from typing import Any, Iterable, Mapping
 
 from .options import SpecPlugConfigError, did_you_mean, valid_keys_text, validate_options
 from . import __version__
+from .budget import pop_batch_options
 from .registry import get_proposer_class, load_errors, proposer_names
 from .scorers.registry import ACCEPTANCE_KEY, parse_acceptance
 
@@ -102,6 +103,7 @@ def translate(spec: Mapping[str, Any], tokenizer: str | None = None
                 f"speculative_config[{taken!r}] is not used by method {method!r}; remove it. "
                 f"Valid keys: {valid_keys_text(cls.options)}")
     acceptance = spec.pop(ACCEPTANCE_KEY, None)
+    batch_options = pop_batch_options(spec)
     options = validate_options(method, cls.options, spec)
     cls.check_options(k, options)
     if tokenizer is not None:
@@ -109,7 +111,7 @@ def translate(spec: Mapping[str, Any], tokenizer: str | None = None
     vllm_kwargs = {"method": "custom_class", "model": DRAFTER_CLASS_PATH,
                    "num_speculative_tokens": k}
     plugin = {"method": method, "num_speculative_tokens": k, "options": options,
-              "version": __version__}
+              "version": __version__, **batch_options}
     if acceptance is not None:
         plugin["acceptance"] = parse_acceptance(acceptance)
         if plugin["acceptance"]["name"] == "greedy":

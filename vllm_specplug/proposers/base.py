@@ -148,6 +148,12 @@ class Proposer(ABC):
     def propose(self, req_id: str, budget: int) -> Draft:
         """A draft of at most ``budget`` nodes (empty: no speculation)."""
 
+    def draft_cut(self, req_id: str, kept: Draft) -> None:
+        """Only ``kept`` (a prefix of a chain, an ancestor-closed subset of a
+        tree) of the last draft is verified: the adapter's batch-aware budget
+        cut the rest. Proposers that learn from their drafts' acceptance must
+        not count the dropped nodes as rejected."""
+
     @abstractmethod
     def finish(self, req_id: str) -> None:
         """Free a request's state (finished, aborted or preempted)."""

@@ -89,6 +89,12 @@ class SamTokenRecyclingProposer(Proposer):
         self._branch[req_id] = "tr" if len(draft) else "none"
         return draft
 
+    def draft_cut(self, req_id: str, kept: Draft) -> None:
+        if self._branch.get(req_id) == "sam":
+            self.sam.draft_cut(req_id, kept)
+        if len(kept) == 0 and req_id in self._branch:
+            self._branch[req_id] = "none"
+
     def finish(self, req_id: str) -> None:
         self._branch.pop(req_id, None)
         self.sam.finish(req_id)

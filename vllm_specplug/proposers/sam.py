@@ -257,6 +257,17 @@ class SamProposer(Proposer):
         self.stats[f"{source}_tokens"] += len(tokens)
         return Draft.chain(tokens, table.prob(match_len)[: len(tokens)])
 
+    def draft_cut(self, req_id: str, kept: Draft) -> None:
+        pending = self._pending.get(req_id)
+        if pending is None:
+            return
+        source, match_len, tokens = pending
+        if len(kept) == 0:
+            del self._pending[req_id]
+        else:
+            self._pending[req_id] = (source, match_len, tokens[: len(kept)])
+        self.stats[f"{source}_tokens"] -= len(tokens) - len(kept)
+
     def finish(self, req_id: str) -> None:
         self._automata.pop(req_id, None)
         self._corpus_matches.pop(req_id, None)

@@ -402,6 +402,7 @@ class TokenRecyclingProposer(Proposer):
                 return Draft.empty()
             ranks, parents = ranks[:n], parents[:n]
         n = ranks.size
+        values = np.asarray(values[:n], dtype=np.float32)
         tokens = np.full(n, -1, dtype=np.int64)
         rows = self.matrix.shape[0]
         for i in range(n):
@@ -422,11 +423,14 @@ class TokenRecyclingProposer(Proposer):
             parents_out = np.where(kept_parents < 0, -1,
                                    new_index[np.maximum(kept_parents, 0)]).astype(np.int32)
             tokens = tokens[keep]
+            values = values[keep]
         else:
             parents_out = parents
         self.stats["drafts"] += 1
         self.stats["nodes"] += int(tokens.size)
-        return Draft(tokens.astype(np.int32), parents_out)
+        # scores: each node's estimated chance of being on the accepted path
+        # (the template's values), used by batch-aware budgets
+        return Draft(tokens.astype(np.int32), parents_out, values)
 
     def finish(self, req_id: str) -> None:
         if self._last.pop(req_id, None) is not None and not self._last and self.save_path:

@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..budget import SAVE_EVERY, StepCostModel, load_prior, save_fit
+from ..budget import SAVE_EVERY, StepCostModel, allocate_batch, load_prior, save_fit, subset
 from ..config import ADDITIONAL_CONFIG_KEY, build_proposer
 from ..proposers.base import Draft
 from . import stats_export
@@ -108,6 +108,9 @@ class SpecPlugDrafter:
         self.runner = None
         self.target_model = None
         self.num_errors = 0
+        # batch-aware budget steps and the draft nodes they proposed and kept
+        self.batch_stats = {"steps": 0, "disabled_steps": 0, "nodes_proposed": 0,
+                            "nodes_kept": 0}
         # Target top-k of the step just verified (set by the _sample patch):
         # req_id -> TargetTopK, consumed by the next propose().
         self.target_topk_k = int(getattr(self.proposer, "target_topk_k", 0) or 0) \
@@ -154,25 +157,31 @@ class SpecPlugDrafter:
         self._time_step(req_ids, sampled_token_ids)
         self.proposer.relative_token_cost = self.step_cost.relative_token_cost(
             len(sampled_token_ids))
-        drafts: list[list[int]] = []
+        proposed: list[Draft] = []
         live = set()
         for row, sampled in enumerate(sampled_token_ids):
             req_id = req_ids[row]
             live.add(req_id)
             if not sampled:  # partial prefill or discarded row
-                drafts.append([])
+                proposed.append(Draft.empty())
                 continue
             try:
-                drafts.append(self._propose_row(req_id, row, int(num_tokens_no_spec[row]),
-                                                token_ids_cpu, pending.get(req_id)))
+                proposed.append(self._propose_row(req_id, row, int(num_tokens_no_spec[row]),
+                                                  token_ids_cpu, pending.get(req_id)))
             except Exception:  # noqa: BLE001 - one request's failure stays its own
                 self.num_errors += 1
                 logger.exception("vllm_specplug: %s proposer failed for request %s; "
                                  "no draft this step", self.method, req_id)
                 self._forget(req_id)
-                drafts.append([])
+                proposed.append(Draft.empty())
         for req_id in [r for r in self._seen if r not in live]:
             self._forget(req_id)
+        self._step_req_ids = req_ids
+        proposed = self._fit_to_batch(proposed, sum(1 for s in sampled_token_ids if s))
+        drafts: list[list[int]] = []
+        for row, draft in enumerate(proposed):
+            self._remember_tree(req_ids[row], draft)
+            drafts.append(draft.tokens.tolist())
         drafts = self._agree_across_ranks(req_ids[: len(drafts)], drafts)
         if self._last_step is not None:
             self._last_step = (self._last_step[0], sum(len(d) for d in drafts),
@@ -239,14 +248,47 @@ class SpecPlugDrafter:
                 self.proposer.observe(req_id, [], topk)
         self._seen[req_id] = (n, int(token_ids_cpu[row, n - 1]))
         draft = self.proposer.propose(req_id, self.k)
-        if len(draft.tokens) and (self.route_chains or (draft.parents is not None
-                                                        and not draft.is_chain)):
-            parents = (draft.parents if draft.parents is not None
-                       else np.arange(len(draft.tokens)) - 1)
-            self.trees[req_id] = Draft(draft.tokens[: self.k], parents[: self.k])
+        if len(draft) > self.k:  # a prefix of a topological order keeps parents
+            draft = subset(draft, np.arange(len(draft)) < self.k)
+        return draft
+
+    def _fit_to_batch(self, drafts: list[Draft], decoding: int) -> list[Draft]:
+        """Batch-aware budgets: no drafts at ``disable_by_batch_size`` decoding
+        requests or more; with ``batch_budget`` "auto" and two or more
+        decoding requests, the batch's nodes are shared out by expected
+        tokens per second (``budget.allocate_batch``)."""
+        limit = self.plugin.get("disable_by_batch_size")
+        proposed = sum(len(d) for d in drafts)
+        if not proposed:
+            return drafts
+        stats = self.batch_stats
+        if limit is not None and decoding >= limit:
+            stats["disabled_steps"] += 1
+            stats["nodes_proposed"] += proposed
+            out = [Draft.empty() for _ in drafts]
+            for row, before in enumerate(drafts):
+                if len(before):
+                    self.proposer.draft_cut(self._step_req_ids[row], out[row])
+            return out
+        if self.plugin.get("batch_budget", "auto") != "auto" or decoding < 2:
+            return drafts
+        a, b = self.step_cost.fit()
+        out = allocate_batch(drafts, a, b, decoding)
+        req_ids = self._step_req_ids
+        for row, (before, after) in enumerate(zip(drafts, out)):
+            if len(after) < len(before):
+                self.proposer.draft_cut(req_ids[row], after)
+        kept = sum(len(d) for d in out)
+        stats["steps"] += 1
+        stats["nodes_proposed"] += proposed
+        stats["nodes_kept"] += kept
+        return out
+
+    def _remember_tree(self, req_id: str, draft: Draft) -> None:
+        if len(draft) and (self.route_chains or not draft.is_chain):
+            self.trees[req_id] = Draft(draft.tokens, draft.parent_array())
         else:
             self.trees.pop(req_id, None)
-        return draft.tokens[: self.k].tolist()
 
     def finish_request(self, req_id: str) -> None:
         """The request finished or was aborted (runner hook)."""
@@ -265,6 +307,7 @@ class SpecPlugDrafter:
         out = {"active_requests": self.proposer.active_requests(),
                "state_bytes": self.proposer.state_nbytes(),
                "errors": self.num_errors, "trees_held": len(self.trees),
+               "batch_budget": dict(self.batch_stats),
                "step_cost": {"samples": self.step_cost.samples, "a_s": float(a),
                              "from_cache": self.step_cost_from_cache,
                              "b_s": float(b), "relative_token_cost":

@@ -1,0 +1,143 @@
+"""Batch-aware draft budgets (``budget.allocate_batch``) against brute force,
+and the drafter's use of them (cut drafts, ``disable_by_batch_size``)."""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from test_drafter_unit import make_vllm_config, patch_calls, step  # noqa: F401 (fixture)
+
+from vllm_specplug.budget import allocate_batch, best_node_count, monotone_values, subset
+from vllm_specplug.config import translate
+from vllm_specplug.options import SpecPlugConfigError
+from vllm_specplug.proposers.base import Draft
+
+probs = st.floats(0.0, 1.0, allow_nan=False)
+
+
+def chain(values):
+    return Draft.chain(np.arange(len(values)) + 100, values)
+
+
+def rate(drafts_kept, a, b, rows):
+    expected = rows + sum(float(np.sum(d.scores)) for d in drafts_kept if len(d))
+    tokens = rows + sum(len(d) for d in drafts_kept)
+    return expected / (a + b * tokens)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(probs, min_size=1, max_size=12), st.floats(0.001, 0.5))
+def test_one_request_matches_best_node_count(values, ratio):
+    """For one request, the greedy batch rule keeps what ``best_node_count``
+    (the single-request optimum) keeps."""
+    v = np.sort(np.asarray(values))[::-1]
+    [kept] = allocate_batch([chain(v)], 1.0, ratio, rows=1)
+    assert len(kept) == best_node_count(v, ratio / (1.0 + ratio), v.size)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.lists(probs, min_size=0, max_size=4), min_size=1, max_size=3),
+       st.floats(0.01, 0.3), st.integers(0, 3))
+def test_chains_reach_the_brute_force_optimum(rows_values, ratio, idle_rows):
+    """Over every combination of chain prefixes, none has a higher expected
+    tokens per second than the greedy choice (values made monotone first)."""
+    drafts = [chain(monotone_values(np.asarray(v), None)) for v in rows_values]
+    rows = len(drafts) + idle_rows
+    got = allocate_batch(drafts, 1.0, ratio, rows)
+    for d, g in zip(drafts, got):
+        assert g.tokens.tolist() == d.tokens[: len(g)].tolist()  # a prefix
+    best = max(rate([_prefix(d, n) for d, n in zip(drafts, ns)], 1.0, ratio, rows)
+               for ns in itertools.product(*[range(len(d) + 1) for d in drafts]))
+    assert rate(got, 1.0, ratio, rows) >= best - 1e-12
+
+
+def _prefix(d: Draft, n: int) -> Draft:
+    return subset(d, np.arange(len(d)) < n) if n else Draft.empty()
+
+
+def test_large_batches_turn_speculation_off_and_sure_nodes_stay():
+    """Mediocre drafts pay at batch 1 but not at batch 32; certain ones always do."""
+    a, b = 0.070, 0.007  # seconds: this CPU's step and per-token cost
+    weak = [chain([0.5, 0.3, 0.2]) for _ in range(32)]
+    assert len(allocate_batch(weak[:1], a, b, 1)[0]) >= 2
+    assert sum(len(d) for d in allocate_batch(weak, a, b, 32)) == 0
+    sure = [chain([1.0, 1.0]) for _ in range(32)]
+    assert sum(len(d) for d in allocate_batch(sure, a, b, 32)) == 64
+
+
+def test_tree_cut_is_ancestor_closed_and_renumbered():
+    #       0 (0.9)
+    #      /       \
+    #  1 (0.5)    2 (0.6)
+    #     |
+    #  3 (0.8 -> made 0.5)
+    tree = Draft(np.array([10, 11, 12, 13]), np.array([-1, 0, 0, 1]),
+                 np.array([0.9, 0.5, 0.6, 0.8]))
+    assert monotone_values(tree.scores, tree.parents).tolist() == pytest.approx(
+        [0.9, 0.5, 0.6, 0.5])
+    # expensive tokens: keep what is worth it only
+    [kept] = allocate_batch([tree], 1.0, 0.6, rows=1)
+    assert kept.tokens.tolist() == [10, 12] and kept.parents.tolist() == [-1, 0]
+    [all_kept] = allocate_batch([tree], 1.0, 0.0001, rows=1)
+    assert all_kept is tree
+    with pytest.raises(ValueError, match="closed"):
+        subset(tree, np.array([True, False, False, True]))
+
+
+def test_unscored_drafts_are_kept_and_counted():
+    unscored = Draft.chain([1, 2, 3, 4, 5, 6, 7, 8])
+    scored = chain([0.3])
+    out = allocate_batch([unscored, scored], 1.0, 0.1, rows=2)
+    assert out[0] is unscored
+    # 10 tokens already verified: 0.3 < 2 * 0.1 / (1 + 0.1 * 10) = 0.1 ... kept
+    assert len(out[1]) == 1
+    out = allocate_batch([unscored, chain([0.05])], 1.0, 0.1, rows=2)
+    assert len(out[1]) == 0
+
+
+def test_batch_keys_are_validated():
+    plugin = translate({"method": "sam", "batch_budget": "off",
+                        "disable_by_batch_size": 16})[1]
+    assert plugin["batch_budget"] == "off" and plugin["disable_by_batch_size"] == 16
+    assert translate({"method": "sam"})[1]["batch_budget"] == "auto"
+    with pytest.raises(SpecPlugConfigError, match="batch_budget"):
+        translate({"method": "sam", "batch_budget": "always"})
+    for bad in (0, -3, "8", True, 2.5):
+        with pytest.raises(SpecPlugConfigError, match="disable_by_batch_size"):
+            translate({"method": "sam", "disable_by_batch_size": bad})
+
+
+# ------------------------------------------------------------------ drafter
+def _drafter(spec):
+    from vllm_specplug.vllm_adapter.drafter import SpecPlugDrafter
+
+    return SpecPlugDrafter(make_vllm_config(spec))
+
+
+def test_drafter_disables_speculation_at_the_batch_size_limit(patch_calls):
+    d = _drafter({"method": "sam", "num_speculative_tokens": 4, "disable_by_batch_size": 3,
+                  "sam_min_accept_prob": 0.0})
+    hists = [[1, 2, 3, 1, 2], [7, 8, 7, 8], [5, 6, 5, 6]]
+    assert all(step(d, ["a", "b"], hists[:2], [[2], [8]]))
+    drafts = step(d, ["a", "b", "c"], [h + [s] for h, s in zip(hists, [3, 7, 5])],
+                  [[3], [7], [5]])
+    assert drafts == [[], [], []]
+    assert d.stats()["batch_budget"]["disabled_steps"] == 1
+    # SAM forgot the dropped drafts: nothing is counted as tried for them
+    assert not d.proposer._pending
+
+
+def test_drafter_cuts_weak_drafts_in_a_batch_and_tells_the_proposer(patch_calls):
+    d = _drafter({"method": "sam", "num_speculative_tokens": 4})
+    # a step costs 1, each extra token 10: no draft node can pay for itself
+    d.step_cost = type(d.step_cost)(prior_a=1.0, prior_b=10.0, prior_weight=1e9)
+    hists = [[1, 2, 3, 1, 2], [7, 8, 7, 8]]
+    drafts = step(d, ["a", "b"], hists, [[2], [8]])
+    assert drafts == [[], []]
+    s = d.stats()["batch_budget"]
+    assert s["steps"] == 1 and s["nodes_proposed"] > 0 and s["nodes_kept"] == 0
+    assert not d.proposer._pending
