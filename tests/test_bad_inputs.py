@@ -401,3 +401,193 @@ def test_matrix_of_another_model_through_vllm_engine_args(engine_args, tmp_path)
         engine_args(speculative_config={"method": "token_recycling", "tr_matrix": str(path)})
     cfg = engine_args(speculative_config={"method": "sam"})  # the good one still works
     assert cfg.speculative_config.method == "custom_class"
+
+
+# ------------------------------------------------ per request: a real server
+# One `vllm serve` with a tree method (sam_tr) for every per-request case; a
+# bad request is refused (4xx naming it) or served, and the engine keeps
+# serving: the good greedy request gives the same tokens before and after.
+MAX_MODEL_LEN = 512
+SERVED = "smollm2"
+GOOD = {"model": SERVED, "prompt": "Repeat: the cat sat on the mat. the cat sat on the mat. "
+        "the cat", "max_tokens": 24, "temperature": 0, "return_token_ids": True}
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+
+
+@pytest.fixture(scope="module")
+def server(model_path, tmp_path_factory):
+    from vllm_specplug.bench.server import running_server
+
+    log = tmp_path_factory.mktemp("bad_inputs_server") / "server.log"
+    args = ["--dtype", "float32", "--enforce-eager", "--max-model-len", str(MAX_MODEL_LEN),
+            "--served-model-name", SERVED, "--speculative-config",
+            json.dumps({"method": "sam_tr"})]
+    try:
+        with running_server(model_path, args, log,
+                            env={"VLLM_CPU_KVCACHE_SPACE": "1"}) as base:
+            yield base
+    except RuntimeError as e:
+        pytest.fail(str(e))
+
+
+def _post(base, path, body=None, raw: bytes | None = None, timeout=300):
+    import requests
+
+    if raw is not None:
+        r = requests.post(base + path, data=raw, timeout=timeout,
+                          headers={"Content-Type": "application/json"})
+    else:
+        r = requests.post(base + path, json=body, timeout=timeout)
+    try:
+        return r.status_code, r.json()
+    except ValueError:
+        return r.status_code, {"error": {"message": r.text}}
+
+
+@pytest.fixture(scope="module")
+def reference(server):
+    """The good greedy request's tokens, before any bad request."""
+    status, out = _post(server, COMPLETIONS, GOOD)
+    assert status == 200, out
+    tokens = out["choices"][0]["token_ids"]
+    assert len(tokens) == GOOD["max_tokens"]
+    return tokens
+
+
+BAD_REQUESTS = [
+    # (id, path, body changes (None: raw body), status, message part)
+    ("empty prompt", COMPLETIONS, {"prompt": ""}, 400,
+     "prompt or prompt_embeds must be provided and non-empty"),
+    ("no prompt", COMPLETIONS, {"prompt": []}, 400, "at least one prompt"),
+    ("empty token prompt", COMPLETIONS, {"prompt": [[]]}, 400, "prompt cannot be empty"),
+    ("empty conversation", CHAT, {"messages": []}, 400, "empty conversation"),
+    ("prompt over max_model_len", COMPLETIONS, {"prompt": "hello " * 600}, 400,
+     "maximum context length is 512 tokens"),
+    ("prompt at max_model_len", COMPLETIONS, {"prompt": [1] * MAX_MODEL_LEN}, 400,
+     "max_tokens must be at least 1, got 0"),
+    ("max_tokens=0", COMPLETIONS, {"max_tokens": 0}, 400, "max_tokens must be at least 1"),
+    ("max_tokens=-1", COMPLETIONS, {"max_tokens": -1}, 400, "max_tokens must be at least 1"),
+    ("max_tokens huge", COMPLETIONS, {"max_tokens": 10**9}, 400,
+     "cannot be greater than max_model_len=512"),
+    ("token id out of vocabulary", COMPLETIONS, {"prompt": [10**7, 5]}, 400,
+     "Token id 10000000 is out of vocabulary"),
+    ("negative token id", COMPLETIONS, {"prompt": [-1, 5]}, 400, "greater than or equal to 0"),
+    ("temperature<0", COMPLETIONS, {"temperature": -1}, 400, "temperature must be non-negative"),
+    ("n>1 greedy", COMPLETIONS, {"n": 2}, 400, "n must be 1 when using greedy sampling"),
+    ("min_p with speculation", COMPLETIONS, {"min_p": 0.1, "temperature": 0.8}, 400,
+     "min_p and logit_bias sampling parameters are not yet supported with speculative"),
+    ("logit_bias with speculation", COMPLETIONS, {"logit_bias": {"5": 10}}, 400,
+     "min_p and logit_bias"),
+    ("min_tokens>max_tokens", COMPLETIONS, {"min_tokens": 50, "max_tokens": 10}, 400,
+     "min_tokens must be less than or equal to max_tokens"),
+    ("top_p=0", COMPLETIONS, {"top_p": 0}, 400, "top_p must be in (0, 1]"),
+    ("repetition_penalty=0", COMPLETIONS, {"repetition_penalty": 0}, 400,
+     "repetition_penalty must be greater than zero"),
+    ("unknown model", COMPLETIONS, {"model": "nope"}, 404, "The model `nope` does not exist"),
+    ("malformed JSON", COMPLETIONS, None, 400, "JSON decode error"),
+]
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("path, change, status, message",
+                         [b[1:] for b in BAD_REQUESTS], ids=[b[0] for b in BAD_REQUESTS])
+def test_bad_request_is_refused_for_that_request_only(server, reference, path, change, status,
+                                                      message):
+    import requests
+
+    if change is None:
+        got, out = _post(server, path, raw=b"{not json")
+    else:
+        body = {**GOOD, **change}
+        if path == CHAT:
+            body.pop("prompt")
+        got, out = _post(server, path, body)
+    assert got == status, out
+    assert message in out["error"]["message"], out
+    assert requests.get(server + "/health", timeout=10).status_code == 200
+
+
+@pytest.mark.server
+def test_edge_requests_are_served(server, reference):
+    """Accepted edge cases: each is served, near or at max_model_len with
+    full-size draft trees included, and greedy ones match the reference."""
+    def ok(**change):
+        status, out = _post(server, COMPLETIONS, {**GOOD, **change})
+        assert status == 200, (change, out)
+        return out["choices"]
+
+    # max_tokens=1: the reference's first token
+    assert ok(max_tokens=1)[0]["token_ids"] == reference[:1]
+    # the prompt fills max_model_len but one token: exactly one token comes back
+    (c,) = ok(prompt=[1] * (MAX_MODEL_LEN - 1), max_tokens=None)
+    assert len(c["token_ids"]) == 1 and c["finish_reason"] == "length"
+    # a repetitive prompt (long drafts) runs right up to max_model_len
+    (c,) = ok(prompt=[1, 2, 3] * 160, max_tokens=None)
+    assert len(c["token_ids"]) == MAX_MODEL_LEN - 480
+    # a stop string
+    (c,) = ok(stop=["mat"])
+    assert c["finish_reason"] == "stop" and c["stop_reason"] == "mat"
+
+
+@pytest.mark.server
+def test_options_a_tree_method_verifies_as_chains_are_served(server, reference):
+    """Structured output, logprobs, prompt logprobs, n>1 and top_k: the tree
+    method falls back to chain verification for them (or samples); the
+    requests succeed and greedy tokens stay those of the reference."""
+    def ok(**change):
+        status, out = _post(server, COMPLETIONS, {**GOOD, **change})
+        assert status == 200, (change, out)
+        return out["choices"]
+
+    (c,) = ok(structured_outputs={"regex": "(cat|dog) [a-z]+"})
+    assert re.fullmatch("(cat|dog) [a-z]+", c["text"]), c["text"]
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    (c,) = ok(structured_outputs={"json": schema}, max_tokens=48)
+    assert isinstance(json.loads(c["text"])["a"], int), c["text"]
+    (c,) = ok(logprobs=2, max_tokens=8)
+    assert c["token_ids"] == reference[:8]
+    assert len(c["logprobs"]["top_logprobs"]) == 8
+    status, out = _post(server, COMPLETIONS, {**GOOD, "prompt_logprobs": 1, "max_tokens": 8})
+    assert status == 200 and out["choices"][0]["prompt_logprobs"], out
+    assert out["choices"][0]["token_ids"] == reference[:8]
+    assert len(ok(n=2, temperature=0.8, seed=1, max_tokens=8)) == 2
+    assert len(ok(top_k=5, temperature=0.8, seed=1, max_tokens=8)[0]["token_ids"]) == 8
+
+
+@pytest.mark.server
+def test_server_keeps_serving_while_bad_requests_arrive(server, reference):
+    """A good streaming request runs while bad ones are refused; it and a
+    later good request give the reference tokens; speculation was on."""
+    import requests
+
+    streamed: list[int] = []
+    errors: list[BaseException] = []
+
+    def stream():
+        try:
+            with requests.post(server + COMPLETIONS, json={**GOOD, "stream": True},
+                               stream=True, timeout=300) as r:
+                assert r.status_code == 200, r.text
+                for line in r.iter_lines():
+                    if line.startswith(b"data: ") and line != b"data: [DONE]":
+                        for choice in json.loads(line[6:])["choices"]:
+                            streamed.extend(choice.get("token_ids") or [])
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    t = threading.Thread(target=stream)
+    t.start()
+    for _, path, change, status, _ in BAD_REQUESTS[:8]:
+        body = {**GOOD, **change}
+        if path == CHAT:
+            body.pop("prompt")
+        assert _post(server, path, body)[0] == status
+    t.join(300)
+    assert not t.is_alive() and not errors, errors
+    assert streamed == reference
+    status, out = _post(server, COMPLETIONS, GOOD)
+    assert status == 200 and out["choices"][0]["token_ids"] == reference
+    metrics = requests.get(server + "/metrics", timeout=10).text
+    drafts = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                 if line.startswith("vllm:spec_decode_num_drafts_total"))
+    assert drafts > 0

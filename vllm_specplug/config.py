@@ -42,7 +42,7 @@ def unknown_method_error(method: Any, vllm_methods: Iterable[str] = ()) -> SpecP
     broken = ""
     if method in errors:
         broken = f" (a plugin registered {method!r} but it failed to load: {errors[method]})"
-    hint = "" if broken else did_you_mean(method, proposer_names() + vllm_methods)
+    hint = "" if broken else did_you_mean(method, proposer_names() + vllm_methods, cutoff=0.6)
     theirs = f"; vLLM's own methods: {', '.join(vllm_methods)}" if vllm_methods else ""
     return SpecPlugConfigError(
         f"unknown speculative method {method!r}{broken}{hint}. vllm-specplug methods: "

@@ -10,15 +10,20 @@ class SpecPlugConfigError(ValueError):
     """A bad ``--speculative-config`` for one of our methods."""
 
 
-def did_you_mean(name: Any, candidates: Iterable[str]) -> str:
-    """``" (did you mean 'x'?)"`` for the closest candidate, or ``""``."""
+def did_you_mean(name: Any, candidates: Iterable[str], cutoff: float = 0.8) -> str:
+    """``" (did you mean 'x'?)"`` for the closest candidate (same name in
+    another case or with dashes, a name containing it, or a close spelling),
+    or ``""``."""
     if not isinstance(name, str):
         return ""
     names = list(candidates)
+    key = name.lower().replace("-", "_")
     folded = {c.lower().replace("-", "_"): c for c in names}
-    close = folded.get(name.lower().replace("-", "_"))
+    close = folded.get(key)
+    if close is None and len(key) >= 4:
+        close = next((c for f, c in folded.items() if f.endswith("_" + key)), None)
     if close is None:
-        found = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
+        found = difflib.get_close_matches(name, names, n=1, cutoff=cutoff)
         close = found[0] if found else None
     return f" (did you mean {close!r}?)" if close is not None and close != name else ""
 

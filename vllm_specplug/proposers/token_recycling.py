@@ -142,7 +142,9 @@ def load_template(path: str, k: int) -> list[tuple[int, ...]]:
         with open(path, encoding="utf-8") as f:
             raw = json.load(f)
     except (OSError, ValueError) as e:
-        raise SpecPlugConfigError(f"tr_template {path!r} is not readable JSON: {e}") from e
+        raise SpecPlugConfigError(
+            f"tr_template {path!r} is not readable JSON: {e}; give a JSON list of rank paths "
+            f"such as [[0], [1], [0, 0]], or \"auto\"") from e
     if not isinstance(raw, list) or not raw:
         raise SpecPlugConfigError(f"tr_template {path!r} must be a non-empty JSON list of "
                                   f"rank paths such as [[0], [1], [0, 0]]")
