@@ -13,8 +13,10 @@ from helpers import chat, pick
 
 pytestmark = pytest.mark.engine
 
+# Large trees in every step, batch or not (batch-aware budgets off): these
+# tests are about the tree machinery, not about when trees pay.
 TR_PAPER = {"method": "token_recycling", "num_speculative_tokens": 24,
-            "tr_template": "paper"}
+            "tr_template": "paper", "batch_budget": "off"}
 
 
 def _stats(worker):
