@@ -141,3 +141,25 @@ def test_drafter_cuts_weak_drafts_in_a_batch_and_tells_the_proposer(patch_calls)
     s = d.stats()["batch_budget"]
     assert s["steps"] == 1 and s["nodes_proposed"] > 0 and s["nodes_kept"] == 0
     assert not d.proposer._pending
+
+
+def test_drafter_explores_one_node_now_and_then(patch_calls):
+    """Cut drafts still get a first node on one step in EXPLORE_EVERY per
+    request, so the proposer's acceptance estimates can recover."""
+    from vllm_specplug.vllm_adapter.drafter import EXPLORE_EVERY
+
+    d = _drafter({"method": "sam", "num_speculative_tokens": 4,
+                  "sam_min_accept_prob": 0.0})
+    d.step_cost = type(d.step_cost)(prior_a=1.0, prior_b=10.0, prior_weight=1e9)
+    hist = {"a": [1, 2, 3, 1, 2, 3, 1, 2], "b": [7, 8, 9, 7, 8, 9, 7, 8]}
+    lengths = []
+    for _ in range(EXPLORE_EVERY * 2):
+        drafts = step(d, ["a", "b"], [hist["a"], hist["b"]], [[hist["a"][-1]],
+                                                              [hist["b"][-1]]])
+        lengths.append([len(x) for x in drafts])
+        for rid, dr in zip(("a", "b"), drafts):  # nothing verified: same history
+            d._seen.pop(rid, None)
+            d.proposer.finish(rid)
+    assert all(n <= 1 for row in lengths for n in row)
+    per_request = [sum(row[i] for row in lengths) for i in range(2)]
+    assert per_request == [2, 2], lengths

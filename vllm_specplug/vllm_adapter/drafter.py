@@ -30,6 +30,10 @@ from . import stats_export
 
 logger = logging.getLogger("vllm_specplug")
 
+# In a batch, a request whose draft the batch-aware budget cut entirely keeps
+# its first node on one step in this many (so estimates keep learning).
+EXPLORE_EVERY = 16
+
 
 def step_cost_cache_path(vllm_config: Any) -> Path | None:
     """Where this engine's step-cost fit is cached: one file per machine
@@ -274,12 +278,18 @@ class SpecPlugDrafter:
             return drafts
         a, b = self.step_cost.fit()
         out = allocate_batch(drafts, a, b, decoding)
+        # exploration: now and then a request whose whole draft was cut keeps
+        # its first node, so proposers' acceptance estimates keep learning in
+        # large batches (at most one token per request per EXPLORE_EVERY steps)
+        stats["steps"] += 1
+        for row, (before, after) in enumerate(zip(drafts, out)):
+            if len(before) and not len(after) and (stats["steps"] + row) % EXPLORE_EVERY == 0:
+                out[row] = subset(before, np.arange(len(before)) == 0)
         req_ids = self._step_req_ids
         for row, (before, after) in enumerate(zip(drafts, out)):
             if len(after) < len(before):
                 self.proposer.draft_cut(req_ids[row], after)
         kept = sum(len(d) for d in out)
-        stats["steps"] += 1
         stats["nodes_proposed"] += proposed
         stats["nodes_kept"] += kept
         return out
