@@ -1,9 +1,14 @@
 """Serving-mode benchmark: vLLM's own `vllm bench serve --dataset-name spec_bench`
-against `vllm serve` (through `specplug vllm`), one server per method.
+against `vllm serve` (through `specplug vllm`), one server per method, at one
+or several client concurrencies.
 
 Usage: python scripts/bench_serve.py [--methods plain,sam] [--num-prompts 26]
-           [--output-len 128] [--concurrency 1] [--out serve_bench]
-Writes OUT/<method>.json (vLLM's result file) and OUT/<method>.txt (its report).
+           [--output-len 128] [--concurrency 1[,4,16,32]] [--out serve_bench]
+Writes OUT/<method>_c<C>.json (vLLM's result file) and OUT/<method>_c<C>.txt
+(its report); with several concurrencies also OUT/concurrency.md (throughput
+and p50/p99 time per output token against concurrency) and
+OUT/concurrency.png. With several concurrencies, each level sends
+max(--num-prompts, 2 * C) prompts.
 """
 from __future__ import annotations
 
@@ -15,7 +20,8 @@ import sys
 from pathlib import Path
 
 
-def run_method(method: str, model: str, args: argparse.Namespace, out: Path) -> None:
+def run_method(method: str, model: str, args: argparse.Namespace, out: Path,
+               concurrencies: list[int]) -> dict[int, dict]:
     from vllm_specplug.bench.engine import METHOD_CONFIGS
     from vllm_specplug.bench.prompts import spec_bench_path
     from vllm_specplug.bench.server import running_server
@@ -26,25 +32,85 @@ def run_method(method: str, model: str, args: argparse.Namespace, out: Path) -> 
         serve_args += ["--speculative-config", json.dumps(METHOD_CONFIGS[method])]
     env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
     log = out / f"{method}.server.log"
+    results: dict[int, dict] = {}
     try:
         with running_server(model, serve_args, log, env=env) as base:
-            bench = [sys.executable, "-m", "vllm_specplug.cli", "vllm", "bench", "serve",
-                     "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
-                     "--base-url", base, "--model", "smollm2", "--tokenizer", model,
-                     "--dataset-name", "spec_bench", "--dataset-path", str(spec_bench_path()),
-                     "--num-prompts", str(args.num_prompts),
-                     "--spec-bench-output-len", str(args.output_len),
-                     "--max-concurrency", str(args.concurrency), "--seed", "0",
-                     "--temperature", "0", "--save-result", "--result-dir", str(out),
-                     "--result-filename", f"{method}.json"]
-            r = subprocess.run(bench, capture_output=True, text=True)
+            for c in concurrencies:
+                name = f"{method}_c{c}"
+                n = args.num_prompts if len(concurrencies) == 1 else max(args.num_prompts,
+                                                                         2 * c)
+                bench = [sys.executable, "-m", "vllm_specplug.cli", "vllm", "bench", "serve",
+                         "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
+                         "--base-url", base, "--model", "smollm2", "--tokenizer", model,
+                         "--dataset-name", "spec_bench",
+                         "--dataset-path", str(spec_bench_path()),
+                         "--num-prompts", str(n), "--spec-bench-output-len",
+                         str(args.output_len), "--max-concurrency", str(c), "--seed", "0",
+                         "--temperature", "0", "--percentile-metrics", "ttft,tpot,itl",
+                         "--metric-percentiles", "50,99", "--save-result",
+                         "--result-dir", str(out), "--result-filename", f"{name}.json"]
+                r = subprocess.run(bench, capture_output=True, text=True)
+                (out / f"{name}.txt").write_text(r.stdout + r.stderr)
+                if r.returncode != 0:
+                    sys.exit(f"vllm bench serve failed for {name}; see {out / (name + '.txt')}")
+                start = r.stdout.find("============ Serving Benchmark Result")
+                print(f"## {name}\n{r.stdout[start:] if start >= 0 else r.stdout[-3000:]}",
+                      flush=True)
+                results[c] = json.loads((out / f"{name}.json").read_text())
     except RuntimeError as e:
         sys.exit(f"{method}: {e}")
-    (out / f"{method}.txt").write_text(r.stdout + r.stderr)
-    if r.returncode != 0:
-        sys.exit(f"vllm bench serve failed for {method}; see {out / (method + '.txt')}")
-    start = r.stdout.find("============ Serving Benchmark Result")
-    print(f"## {method}\n{r.stdout[start:] if start >= 0 else r.stdout[-3000:]}", flush=True)
+    return results
+
+
+def concurrency_report(results: dict[str, dict[int, dict]], out: Path) -> str:
+    """Markdown table (and a plot) of output throughput and p50/p99 TPOT."""
+    methods = list(results)
+    levels = sorted({c for r in results.values() for c in r})
+    lines = ["| method | " + " | ".join(f"c={c}: tok/s, p50/p99 TPOT ms" for c in levels)
+             + " |", "|---|" + "---|" * len(levels)]
+    for m in methods:
+        cells = []
+        for c in levels:
+            r = results[m].get(c)
+            cells.append("n/a" if r is None else
+                         f"{r['output_throughput']:.1f}, {r.get('p50_tpot_ms', float('nan')):.0f}"
+                         f"/{r.get('p99_tpot_ms', float('nan')):.0f}")
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    if "plain" in results:
+        lines += ["", "Throughput relative to plain decoding at the same concurrency:", "",
+                  "| method | " + " | ".join(f"c={c}" for c in levels) + " |",
+                  "|---|" + "---|" * len(levels)]
+        for m in methods:
+            cells = []
+            for c in levels:
+                r, p = results[m].get(c), results["plain"].get(c)
+                cells.append("n/a" if not r or not p else
+                             f"{r['output_throughput'] / p['output_throughput']:.2f}x")
+            lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    md = "\n".join(lines) + "\n"
+    (out / "concurrency.md").write_text(md)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+        for m in methods:
+            cs = [c for c in levels if c in results[m]]
+            axes[0].plot(cs, [results[m][c]["output_throughput"] for c in cs], "o-", label=m)
+            axes[1].plot(cs, [results[m][c].get("p50_tpot_ms") for c in cs], "o-", label=m)
+        for ax, title in zip(axes, ("output tokens/s", "p50 time per output token (ms)")):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("concurrent clients")
+            ax.set_title(title)
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / "concurrency.png", dpi=110)
+        plt.close(fig)
+    except ImportError:
+        pass
+    return md
 
 
 def main() -> None:
@@ -53,7 +119,7 @@ def main() -> None:
     ap.add_argument("--methods", default="plain,sam")
     ap.add_argument("--num-prompts", type=int, default=26)
     ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--concurrency", type=int, default=1)
+    ap.add_argument("--concurrency", default="1", help="one level or a comma-separated list")
     ap.add_argument("--out", default="serve_bench")
     args = ap.parse_args()
     methods = args.methods.split(",")
@@ -63,12 +129,16 @@ def main() -> None:
     unknown = [m for m in methods if m not in METHOD_CONFIGS]
     if unknown:
         sys.exit(f"unknown method(s) {unknown}; choose from {sorted(METHOD_CONFIGS)}")
-
+    try:
+        concurrencies = [int(c) for c in args.concurrency.split(",")]
+    except ValueError:
+        sys.exit(f"--concurrency {args.concurrency!r}: give integers, e.g. 1,4,16,32")
     model = default_model_path()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    for m in methods:
-        run_method(m, model, args, out)
+    results = {m: run_method(m, model, args, out, concurrencies) for m in methods}
+    if len(concurrencies) > 1:
+        print(concurrency_report(results, out))
 
 
 if __name__ == "__main__":
