@@ -97,6 +97,7 @@ def test_key_of_another_method(method, key, value):
 def test_draft_model_and_vllm_only_keys_given_to_sam(key, value, must):
     msg = _bad({"method": "sam", key: value}, repr(key), must)
     assert "sam_min_match_len" in msg  # lists what sam does take
+    assert "did you mean" not in msg   # no misleading suggestion
 
 
 def test_same_key_twice():
