@@ -15,7 +15,11 @@ from __future__ import annotations
 
 from typing import ClassVar, Sequence
 
+import numpy as np
+
+from ..budget import best_node_count, monotone_values, subset
 from ..options import Option
+from ..tree.structure import merge_drafts
 from .base import Draft, Proposer, TargetTopK
 from .sam import SamProposer
 from .token_recycling import TokenRecyclingProposer
@@ -34,6 +38,10 @@ class SamTokenRecyclingProposer(Proposer):
         Option("sam_tr_threshold", int, 5,
                "draft SAM's chain when the match is at least this long, else Token "
                "Recycling's tree", minimum=1, maximum=1024),
+        Option("sam_tr_merge", bool, True,
+               "below the threshold, draft the union of Token Recycling's tree and "
+               "SAM's chain from its shorter match (the nodes worth verifying); false: "
+               "the tree alone, as in SAM-Decoding"),
         *SamProposer.options,
         *TokenRecyclingProposer.options,
     )
@@ -49,8 +57,11 @@ class SamTokenRecyclingProposer(Proposer):
             part.check_model(_pick(options, part), tokenizer)
 
     def __init__(self, num_speculative_tokens: int, sam_tr_threshold: int = 5,
-                 auto_budget: bool = False, **options) -> None:
+                 sam_tr_merge: bool = True, auto_budget: bool = False, **options) -> None:
         self.threshold = int(sam_tr_threshold)
+        self.merge = bool(sam_tr_merge)
+        # req_id -> SAM's chain tokens inside the last tree draft
+        self._sam_chain: dict[str, np.ndarray] = {}
         k = int(num_speculative_tokens)
         self.sam = SamProposer(min(k, SAM_CHAIN_BUDGET) if auto_budget else k,
                                **_pick(options, SamProposer))
@@ -59,7 +70,7 @@ class SamTokenRecyclingProposer(Proposer):
         self.target_topk_k = self.tr.target_topk_k
         self._branch: dict[str, str] = {}
         self.stats = {"sam_steps": 0, "sam_accepted": 0, "tr_steps": 0, "tr_accepted": 0,
-                      "none_steps": 0, "none_accepted": 0}
+                      "none_steps": 0, "none_accepted": 0, "merged_sam_nodes": 0}
 
     def start(self, req_id: str, token_ids: Sequence[int]) -> None:
         self._branch.pop(req_id, None)
@@ -80,23 +91,69 @@ class SamTokenRecyclingProposer(Proposer):
 
     def propose(self, req_id: str, budget: int) -> Draft:
         self.tr.relative_token_cost = self.relative_token_cost
-        if self.match_len(req_id) >= self.threshold:
+        self._sam_chain.pop(req_id, None)
+        long_match = self.match_len(req_id) >= self.threshold
+        if long_match:
             draft = self.sam.propose(req_id, budget)
             if len(draft):
                 self._branch[req_id] = "sam"
                 return draft
         draft = self.tr.propose(req_id, budget)
+        if self.merge and not long_match:
+            draft = self._with_sam_chain(req_id, draft, budget)
         self._branch[req_id] = "tr" if len(draft) else "none"
         return draft
+
+    def _with_sam_chain(self, req_id: str, tree: Draft, budget: int) -> Draft:
+        """The tree branch also holds SAM's chain from its (short) match:
+        the union of both, cut to the nodes worth verifying (by their
+        acceptance estimates against the step's verify cost, as "auto"
+        budgets do; a fixed budget keeps the best ``budget`` nodes)."""
+        chain = self.sam.propose(req_id, budget)
+        if not len(chain):
+            return tree
+        if not len(tree):
+            self._sam_chain[req_id] = chain.tokens
+            self.stats["merged_sam_nodes"] += len(chain)
+            return chain
+        if tree.scores is None or chain.scores is None:
+            self.sam.draft_cut(req_id, Draft.empty())
+            return tree
+        merged, sam_index = merge_drafts(tree, chain)
+        values = monotone_values(merged.scores, merged.parents)
+        order = np.argsort(-values, kind="stable")
+        n = (best_node_count(values[order], self.relative_token_cost, budget)
+             if self.tr.auto_budget else min(budget, len(merged)))
+        keep = np.zeros(len(merged), dtype=bool)
+        keep[order[:n]] = True
+        sam_kept = 0
+        while sam_kept < len(sam_index) and keep[sam_index[sam_kept]]:
+            sam_kept += 1
+        if sam_kept < len(chain):
+            self.sam.draft_cut(req_id, Draft.chain(chain.tokens[:sam_kept]))
+        if not keep.any():
+            return Draft.empty()
+        if sam_kept:
+            self._sam_chain[req_id] = chain.tokens[:sam_kept]
+        self.stats["merged_sam_nodes"] += sam_kept
+        return subset(merged, keep)
 
     def draft_cut(self, req_id: str, kept: Draft) -> None:
         if self._branch.get(req_id) == "sam":
             self.sam.draft_cut(req_id, kept)
+        elif req_id in self._sam_chain:
+            # SAM's chain inside the tree: as far as its path is still there
+            chain = self._sam_chain[req_id]
+            n = path_length(kept, chain)
+            if n < len(chain):
+                self._sam_chain[req_id] = chain[:n]
+                self.sam.draft_cut(req_id, Draft.chain(chain[:n]))
         if len(kept) == 0 and req_id in self._branch:
             self._branch[req_id] = "none"
 
     def finish(self, req_id: str) -> None:
         self._branch.pop(req_id, None)
+        self._sam_chain.pop(req_id, None)
         self.sam.finish(req_id)
         self.tr.finish(req_id)
 
@@ -114,6 +171,20 @@ class SamTokenRecyclingProposer(Proposer):
         s["sam"] = self.sam.debug_stats()
         s["token_recycling"] = self.tr.debug_stats()
         return s
+
+
+def path_length(draft: Draft, chain: np.ndarray) -> int:
+    """How many of ``chain``'s tokens, from the first, lie on one path of
+    ``draft`` from its root (a trie: at most one child per token)."""
+    parents = draft.parent_array()
+    tokens = draft.tokens
+    at, n = -1, 0
+    for tok in chain.tolist():
+        nxt = np.flatnonzero((parents == at) & (tokens == tok))
+        if nxt.size == 0:
+            break
+        at, n = int(nxt[0]), n + 1
+    return n
 
 
 def _pick(options: dict, cls: type[Proposer]) -> dict:

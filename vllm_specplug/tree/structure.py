@@ -71,3 +71,41 @@ def compaction_moves(path: list[int]) -> list[tuple[int, int]]:
     ``(from_offset, to_offset)`` pairs, in an order that is safe to apply
     in place (offsets only move down, and path indices increase)."""
     return [(int(node), k) for k, node in enumerate(path) if node != k]
+
+
+def merge_drafts(first, second):
+    """The union of two drafts as one tree (a trie: nodes with the same
+    parent and token are one node, whose score is the larger of the two).
+
+    Returns ``(merged, index_of_second)``: ``index_of_second[i]`` is the merged
+    index of ``second``'s node i. Both drafts must have scores (or neither)."""
+    from ..proposers.base import Draft
+
+    tokens: list[int] = []
+    parents: list[int] = []
+    scores: list[float] = []
+    where: dict[tuple[int, int], int] = {}
+    with_scores = first.scores is not None and second.scores is not None
+
+    def add(draft) -> list[int]:
+        index = []
+        for i, (tok, p) in enumerate(zip(draft.tokens.tolist(), draft.parent_array().tolist())):
+            parent = -1 if p < 0 else index[p]
+            s = float(draft.scores[i]) if with_scores else 0.0
+            key = (parent, tok)
+            if key in where:
+                j = where[key]
+                scores[j] = max(scores[j], s)
+            else:
+                j = where[key] = len(tokens)
+                tokens.append(tok)
+                parents.append(parent)
+                scores.append(s)
+            index.append(j)
+        return index
+
+    add(first)
+    index_of_second = add(second)
+    merged = Draft(np.asarray(tokens, dtype=np.int32), np.asarray(parents, dtype=np.int32),
+                   np.asarray(scores, dtype=np.float32) if with_scores else None)
+    return merged, index_of_second
