@@ -44,6 +44,7 @@ loaded; unit tests bind a fake.
 """
 from __future__ import annotations
 
+import logging
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol, Sequence
@@ -52,6 +53,11 @@ import numpy as np
 
 from ..options import Option, SpecPlugConfigError
 from .base import Draft, Proposer, TargetTopK
+
+logger = logging.getLogger("vllm_specplug")
+
+#: Log the chosen (L, d) distribution every this many proposals.
+LOG_EVERY = 2000
 
 #: Model classes whose decoder layers the adapter's early-exit runner knows
 #: how to run piecewise (``vllm_adapter.early_exit_runner``).
@@ -340,6 +346,10 @@ class DelProposer(Proposer):
         req.pending = (layer, tokens, {int(c): int(t) for c, t in out.shadows.items()})
         self.chosen_layer[layer] += 1
         self.chosen_length[d] += 1
+        if self.counts["steps"] % LOG_EVERY == 0:
+            logger.info("vllm_specplug del: exit layers %s, draft lengths %s, accepted %d of "
+                        "%d draft tokens", dict(self.chosen_layer), dict(self.chosen_length),
+                        self.counts["accepted"], self.counts["draft_tokens"])
         self.drafted_length[len(tokens)] += 1
         if tokens:
             self.counts["drafts"] += 1
@@ -367,6 +377,7 @@ class DelProposer(Proposer):
                                  for c, g in sorted(self._global.items()) if g[1] > 0},
             "num_layers": self.num_layers, "head_cost": round(self.head_cost, 3),
             "candidates": list(self.candidates), **self.counts,
+            "model": (self.hook.stats() if hasattr(self.hook, "stats") else {}),
         }
 
 

@@ -31,6 +31,7 @@ on committed tokens and these logits, takes the same decisions (no timings).
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Sequence
 
 import numpy as np
@@ -82,6 +83,10 @@ class EarlyExitRunner:
         #: for tests; None: not recorded
         self.recent: list | None = None
         self._slots: torch.Tensor | None = None
+        # cost counters (reported in the drafter's stats; not used to decide,
+        # so tensor-parallel ranks cannot diverge)
+        self.counts = {"passes": 0, "layer_forwards": 0, "head_calls": 0, "head_rows": 0,
+                       "draft_seconds": 0.0}
 
     # ------------------------------------------------------------------ runner
     def _request_slots(self, req_id: str, position: int) -> torch.Tensor:
@@ -164,12 +169,29 @@ class EarlyExitRunner:
         x = torch.cat(states, dim=0)
         return self.model.compute_logits(self.inner.norm(x)).float()
 
+    def stats(self) -> dict:
+        c = dict(self.counts)
+        c["draft_seconds"] = round(c["draft_seconds"], 3)
+        c["ms_per_pass"] = round(1000 * self.counts["draft_seconds"] / max(1, c["passes"]), 2)
+        return c
+
     # ------------------------------------------------------------------ hook
     @torch.inference_mode()
     def draft(self, req_id: str, token: int, position: int, exit_layer: int,
               max_tokens: int, threshold: float, shadow_layers: Sequence[int]) -> ExitDraft:
         if not 1 <= exit_layer < self.num_layers:
             raise ValueError(f"exit layer {exit_layer} outside 1..{self.num_layers - 1}")
+        t0 = time.perf_counter()
+        try:
+            return self._draft(req_id, token, position, exit_layer, max_tokens, threshold,
+                               shadow_layers)
+        finally:
+            self._slots = None
+            self.counts["passes"] += 1
+            self.counts["draft_seconds"] += time.perf_counter() - t0
+
+    def _draft(self, req_id, token, position, exit_layer, max_tokens, threshold,
+               shadow_layers) -> ExitDraft:
         self._slots = self._request_slots(req_id, position)
         first_kv = self._kv_caches()[0]
         device = first_kv.device
@@ -200,6 +222,9 @@ class EarlyExitRunner:
                     states.append(x + residual)     # the residual stream after n layers
                     names.append(n)
             logits = self._logits(states)
+            self.counts["layer_forwards"] += last
+            self.counts["head_calls"] += 1
+            self.counts["head_rows"] += len(states)
             ids = torch.argmax(logits, dim=-1).tolist()
             if step == 0:
                 shadows = {n: int(t) for n, t in zip(names, ids) if n in shadow_set}
@@ -216,7 +241,6 @@ class EarlyExitRunner:
             # layers >= exit_layer of the first pass are not needed again
             for i in range(exit_layer, last):
                 draft_kv.pop(i, None)
-        self._slots = None
         if self.recent is not None:
             batch = self.drafter.runner.input_batch
             row = batch.req_id_to_index[req_id]
