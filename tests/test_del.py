@@ -219,3 +219,17 @@ def test_model_checks_layers_and_architecture(tmp_path, model_path):
     with pytest.raises(SpecPlugConfigError,
                        match="LlamaForCausalLM, Qwen2ForCausalLM; this model is GPT2LMHeadModel"):
         translate({"method": "del"}, tokenizer=str(tmp_path))
+
+
+def test_a_cut_draft_is_scored_only_on_what_was_kept():
+    hook = FakeHook(_truth, good_from=1)
+    p = _bound(hook, del_exit_layer=6)
+    p.start("r", [_truth(i) for i in range(3)])
+    draft = p.propose("r", 4)
+    assert len(draft) == 4
+    from vllm_specplug.proposers.base import Draft
+    p.draft_cut("r", Draft.chain(draft.tokens[:1]))
+    p.observe("r", [_truth(3), _truth(4)])  # the kept token accepted + bonus
+    s = p.debug_stats()
+    assert s["draft_tokens"] == 1 and s["accepted"] == 1
+    assert list(p._requests["r"].window[6]) == [1]

@@ -356,6 +356,17 @@ class DelProposer(Proposer):
             self.counts["draft_tokens"] += len(tokens)
         return Draft.chain(tokens)
 
+    def draft_cut(self, req_id: str, kept: Draft) -> None:
+        """The adapter verifies only ``kept`` (a prefix): the rest is not scored."""
+        req = self._requests.get(req_id)
+        if req is not None and req.pending is not None:
+            layer, tokens, shadows = req.pending
+            n = len(kept)
+            self.counts["draft_tokens"] -= len(tokens) - n
+            if n == 0 and tokens:
+                self.counts["drafts"] -= 1
+            req.pending = (layer, tokens[:n], shadows)
+
     def finish(self, req_id: str) -> None:
         self._requests.pop(req_id, None)
 
