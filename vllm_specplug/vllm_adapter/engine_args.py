@@ -17,6 +17,47 @@ def vllm_method_names() -> list[str]:
     return list(typing.get_args(SpeculativeMethod))
 
 
+def pipeline_parallel_problem(plugin: dict[str, Any]) -> str | None:
+    """Why the configured method cannot run with pipeline parallelism (None: it can).
+
+    vLLM builds a ``custom_class`` drafter on the last pipeline stage only, so
+    only that stage's workers install our patches. Tree verification needs
+    them in every stage (draft positions and ancestor-masked attention in
+    every layer, KV compaction in every layer's cache); DEL drafts with the
+    target's first layers, which live on another stage. A chain method with
+    vLLM's own rejection sampler needs nothing outside the last stage."""
+    from ..registry import get_proposer_class
+
+    method = plugin["method"]
+    cls = get_proposer_class(method)
+    if getattr(cls, "target_hook", None):
+        return (f"method {method!r} drafts with the target's first layers, which pipeline "
+                f"parallelism puts in another stage's worker")
+    if cls.drafts_trees:
+        return (f"method {method!r} drafts trees, and tree verification needs our attention "
+                f"and position patches in every pipeline stage, while vLLM builds the drafter "
+                f"(which installs them) on the last stage only")
+    if plugin.get("acceptance"):
+        return (f"speculative_config['acceptance'] routes chains through our tree "
+                f"verification, which needs our patches in every pipeline stage, while vLLM "
+                f"builds the drafter (which installs them) on the last stage only")
+    return None
+
+
+def check_pipeline_parallel(plugin: dict[str, Any], pipeline_parallel_size: int) -> None:
+    """Refuse, before the engine starts, a method that cannot run with
+    ``pipeline_parallel_size`` > 1 (see ``pipeline_parallel_problem``)."""
+    if int(pipeline_parallel_size or 1) <= 1:
+        return
+    why = pipeline_parallel_problem(plugin)
+    if why is not None:
+        raise plugin_config.SpecPlugConfigError(
+            f"vllm-specplug does not support pipeline parallelism "
+            f"(pipeline_parallel_size={pipeline_parallel_size}) for this speculative config: "
+            f"{why}. Use tensor parallelism instead (tensor_parallel_size), or a chain method "
+            f"without 'acceptance' (e.g. sam) with pipeline parallelism.")
+
+
 def make_create_speculative_config(original):
     def create_speculative_config(self, target_model_config, target_parallel_config):
         if not isinstance(self.speculative_config or {}, Mapping):
@@ -38,6 +79,8 @@ def make_create_speculative_config(original):
                 spec[key] = value
             vllm_kwargs, plugin = plugin_config.translate(
                 spec, tokenizer=target_model_config.tokenizer)
+            check_pipeline_parallel(
+                plugin, getattr(target_parallel_config, "pipeline_parallel_size", 1))
             self.spec_method = self.spec_model = self.spec_tokens = None
             self.speculative_config = vllm_kwargs
             self.additional_config = {**(self.additional_config or {}),

@@ -1,0 +1,36 @@
+"""Which methods run with pipeline parallelism (no engine, no vLLM import)."""
+from __future__ import annotations
+
+import pytest
+
+from vllm_specplug.config import translate
+from vllm_specplug.options import SpecPlugConfigError
+from vllm_specplug.vllm_adapter.engine_args import check_pipeline_parallel
+
+
+@pytest.mark.parametrize("spec", [
+    {"method": "sam"},
+    {"method": "sam", "num_speculative_tokens": 4, "sam_continuation": "first"},
+])
+def test_chain_methods_run_with_pipeline_parallelism(spec):
+    _, plugin = translate(spec)
+    check_pipeline_parallel(plugin, 2)
+    check_pipeline_parallel(plugin, 1)
+
+
+@pytest.mark.parametrize("spec, why", [
+    ({"method": "token_recycling"}, "drafts trees"),
+    ({"method": "sam_tr"}, "drafts trees"),
+    ({"method": "debug_random_tree"}, "drafts trees"),
+    ({"method": "del"}, "first layers"),
+    ({"method": "sam", "acceptance": "rejection"}, "acceptance"),
+    ({"method": "sam", "acceptance": "block"}, "acceptance"),
+])
+def test_other_methods_refuse_pipeline_parallelism(spec, why):
+    _, plugin = translate(spec)
+    check_pipeline_parallel(plugin, 1)  # no pipeline: fine
+    with pytest.raises(SpecPlugConfigError) as e:
+        check_pipeline_parallel(plugin, 4)
+    msg = str(e.value)
+    assert why in msg and "pipeline_parallel_size=4" in msg and "tensor_parallel_size" in msg
+    assert repr(spec["method"]) in msg or "acceptance" in msg
