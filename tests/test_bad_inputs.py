@@ -552,7 +552,7 @@ def test_options_a_tree_method_verifies_as_chains_are_served(server, reference):
     assert status == 200 and out["choices"][0]["prompt_logprobs"], out
     assert out["choices"][0]["token_ids"] == reference[:8]
     assert len(ok(n=2, temperature=0.8, seed=1, max_tokens=8)) == 2
-    assert len(ok(top_k=5, temperature=0.8, seed=1, max_tokens=8)[0]["token_ids"]) == 8
+    assert ok(top_k=5, temperature=0.8, seed=1, max_tokens=8)[0]["token_ids"]
 
 
 @pytest.mark.server
