@@ -28,10 +28,12 @@ MAX_ACCEPT = 2
 SPEC = {"method": "example_repeat_ngram", "num_speculative_tokens": 4, "repeat_n": 2,
         "acceptance": {"name": "example_capped", "max_accept": MAX_ACCEPT}}
 MAX_TOKENS = 32
+# The first two make SmolLM2 repeat a two-token cycle, which the example
+# proposer (repeat the last 2 tokens) drafts right; the third does not.
 PROMPTS = [
-    "Continue this pattern for twenty more items: ab ab ab ab ab ab ab ab",
+    "Repeat exactly ten times: the cat the cat the cat the cat the cat the cat",
+    "Write the word 'hello' twenty times, separated by spaces.",
     "Write a Python function that returns the n-th Fibonacci number.",
-    "Count from 1 to 30, separated by commas.",
 ]
 
 
@@ -139,3 +141,4 @@ def test_served_example_scorer_caps_acceptance(server):
     print(f"\nexample plugin, temperature 0.7: accepted per position {grew}")
     assert after["drafts"] > before["drafts"]
     assert all(v == 0 for pos, v in grew.items() if pos >= MAX_ACCEPT), grew
+    assert sum(v for pos, v in grew.items() if pos < MAX_ACCEPT) > 0, grew  # not vacuous

@@ -38,12 +38,17 @@ pytestmark = pytest.mark.server
 
 SPEC = {"method": "sam_tr", "num_speculative_tokens": "auto"}
 CONCURRENCY = 32
-MIXED_REQUESTS = 96
-MIXED_DEADLINE_S = 240
+MIXED_REQUESTS = 64
+MIXED_DEADLINE_S = 180
+# long prompts (summarization, RAG, extraction) cut to this many characters:
+# prefill runs at ~300 tokens/s on the 2-core CI machine
+PROMPT_CHARS = 1000
 MEM_WARMUP = 100
 MEM_TOTAL = 1000
 MEM_DEADLINE_S = 300
 MEM_BOUND_MIB = 64
+MEM_MAX_TOKENS = 4
+MEM_POOL = 24
 # category -> weight in the mixed phase (SAM's favourites are the long,
 # repetitive ones; Token Recycling's the short, generic ones)
 CATEGORIES = {"summarization": 2, "rag": 2, "coding": 2, "writing": 2, "translation": 2,
@@ -74,9 +79,15 @@ class Req:
         return self.temperature == 0 and self.disconnect_after is None
 
 
+def _cut(prompt: str) -> str:
+    if len(prompt) <= PROMPT_CHARS:
+        return prompt
+    return prompt[:PROMPT_CHARS].rsplit(" ", 1)[0] + " ..."
+
+
 def mixed_requests(spec_bench_prompts) -> list[Req]:
     rng = random.Random(0)
-    pools = {c: [r["prompt"] for r in spec_bench_prompts if r["category"] == c]
+    pools = {c: [_cut(r["prompt"]) for r in spec_bench_prompts if r["category"] == c]
              for c in CATEGORIES}
     cats = [c for c, w in CATEGORIES.items() for _ in range(w)]
     out = []
@@ -85,7 +96,7 @@ def mixed_requests(spec_bench_prompts) -> list[Req]:
         temperature = rng.choice([0.0, 0.0, 0.7, 1.0])
         n = rng.choice([1, 1, 2, 3]) if temperature > 0 else 1  # vLLM: n = 1 when greedy
         out.append(Req(
-            i, rng.choice(pools[c]), c, temperature, rng.choice([8, 16, 32]),
+            i, rng.choice(pools[c]), c, temperature, rng.choice([8, 16, 24]),
             rng.choice(STOPS), n,
             rng.choice([1, 3]) if rng.random() < 0.15 else None))
     return out
@@ -315,34 +326,46 @@ def _rss(pid: int) -> int:
 
 
 def test_soak_memory_after_1000_requests(soak, spec_bench_prompts):
-    pool = [r["prompt"] for r in spec_bench_prompts if r["category"] in SHORT_CATEGORIES]
+    """Resident memory of the engine process (the one holding the drafter)
+    after each 100 requests; the bound is on 1,000 against 100."""
     rng = random.Random(1)
-    reqs = [Req(i, f"{rng.choice(pool)}\n(#{i})", "short", rng.choice([0.0, 0.7]), 4,
+    # a pool of short prompts: repeated prompts hit vLLM's prefix cache, so a
+    # request costs little prefill; each still gets its own drafter state
+    pool = rng.sample([r["prompt"] for r in spec_bench_prompts
+                       if r["category"] in SHORT_CATEGORIES and len(r["prompt"]) < 300],
+                      MEM_POOL)
+    reqs = [Req(i, rng.choice(pool), "short", rng.choice([0.0, 0.7]), MEM_MAX_TOKENS,
                 None, 1, None) for i in range(MEM_TOTAL)]
+    engine_pid = None
+    rss: dict[int, int] = {}
+    walls = []
     t0 = time.perf_counter()
-    wall1 = asyncio.run(_run_all(soak.base, reqs[:MEM_WARMUP], CONCURRENCY, MEM_DEADLINE_S,
-                                 one=_short_one))
-    stats1 = _wait_idle_stats(soak)
-    engine_pid = _engine_pid(soak)
-    rss1, api1 = _rss(engine_pid), _rss(soak.server_pid)
-    wall2 = asyncio.run(_run_all(soak.base, reqs[MEM_WARMUP:], CONCURRENCY,
-                                 MEM_DEADLINE_S - (time.perf_counter() - t0), one=_short_one))
-    stats2 = _wait_idle_stats(soak)
-    rss2, api2 = _rss(engine_pid), _rss(soak.server_pid)
+    for done in range(MEM_WARMUP, MEM_TOTAL + 1, MEM_WARMUP):
+        left = MEM_DEADLINE_S - (time.perf_counter() - t0)
+        assert left > 0, f"only {done - MEM_WARMUP} requests in {MEM_DEADLINE_S} s"
+        walls.append(asyncio.run(_run_all(soak.base, reqs[done - MEM_WARMUP:done], CONCURRENCY,
+                                          left, one=_short_one)))
+        stats = _wait_idle_stats(soak)
+        engine_pid = engine_pid or _engine_pid(soak)
+        rss[done] = _rss(engine_pid)
+        if done == MEM_WARMUP:
+            first_stats, api1 = stats, _rss(soak.server_pid)
+    api2 = _rss(soak.server_pid)
     mib = 1 << 20
-    tr1 = stats1.get("proposer", {}).get("token_recycling", {}).get("matrix_bytes")
-    tr2 = stats2.get("proposer", {}).get("token_recycling", {}).get("matrix_bytes")
-    print(f"\nsoak memory: {MEM_WARMUP} requests in {wall1:.1f} s, "
-          f"{MEM_TOTAL - MEM_WARMUP} more in {wall2:.1f} s "
-          f"({(MEM_TOTAL - MEM_WARMUP) / wall2:.1f} req/s), concurrency {CONCURRENCY}; "
-          f"engine RSS {rss1 / mib:.0f} -> {rss2 / mib:.0f} MiB "
-          f"({(rss2 - rss1) / mib:+.1f}), API server RSS {api1 / mib:.0f} -> "
-          f"{api2 / mib:.0f} MiB ({(api2 - api1) / mib:+.1f}); TR matrix {tr1} -> {tr2} B; "
-          f"drafter {stats2}")
+    tr1 = first_stats.get("proposer", {}).get("token_recycling", {}).get("matrix_bytes")
+    tr2 = stats.get("proposer", {}).get("token_recycling", {}).get("matrix_bytes")
+    growth = (rss[MEM_TOTAL] - rss[MEM_WARMUP]) / mib
+    print(f"\nsoak memory: {MEM_TOTAL} requests (max_tokens {MEM_MAX_TOKENS}, concurrency "
+          f"{CONCURRENCY}) in {sum(walls):.1f} s ({MEM_TOTAL / sum(walls):.1f} req/s); "
+          f"engine RSS MiB by requests done: "
+          f"{ {k: round(v / mib) for k, v in rss.items()} } "
+          f"({growth:+.1f} MiB from {MEM_WARMUP} to {MEM_TOTAL}); API server RSS "
+          f"{api1 / mib:.0f} -> {api2 / mib:.0f} MiB; TR matrix {tr1} -> {tr2} B; "
+          f"drafter {stats}")
     errors = [(r.i, r.error) for r in reqs if r.error]
     assert not errors, errors[:5]
     assert all(r.finish.get(0) in ("stop", "length") for r in reqs)
-    assert (stats2["active_requests"], stats2["state_bytes"], stats2["errors"]) == (0, 0, 0)
+    assert (stats["active_requests"], stats["state_bytes"], stats["errors"]) == (0, 0, 0)
     assert tr1 == tr2 and tr1, (tr1, tr2)
-    assert rss2 - rss1 <= MEM_BOUND_MIB * mib, (rss1, rss2)
+    assert growth <= MEM_BOUND_MIB, rss
     _server_alive(soak, engine_pid)
