@@ -75,3 +75,200 @@ def test_tp2_greedy_matches_plain_tp1_and_ranks_agree(get_llm, prompts, referenc
         assert crc[0] == crc[1], crc
         assert ranks[0]["proposer"]["topk_misaligned"] == 0
         assert ranks[0]["proposer"]["matrix_rows"] > 0
+
+
+# ------------------------------------------------------------ rank divergence
+# Every rank computes the target's top-k from the same all-gathered logits,
+# so Token Recycling's matrix is the same on every rank (checked above). The
+# risk is a near tie that one rank resolves differently (logits that differ in
+# the last bits): that rank's matrix, and so its drafts, would differ. The
+# probe below records, per step and rank, a checksum of the top-k each rank's
+# proposer receives (before any change), then *provokes* the divergence: rank
+# 1 swaps the top two candidates wherever they are within NEAR_TIE nats. Rank 1's
+# own drafts then differ from rank 0's, but every rank must adopt rank 0's
+# drafts and trees (``drafter._agree_across_ranks``) and the output must stay
+# identical to plain decoding.
+NEAR_TIE = 1.0
+
+
+def _digest(req_ids, drafts, trees) -> int:
+    import json
+    import zlib
+
+    rows = [[r, list(map(int, d)),
+             trees[r].tokens.tolist() if r in trees else None,
+             trees[r].parents.tolist() if r in trees else None]
+            for r, d in zip(req_ids, drafts)]
+    return zlib.crc32(json.dumps(rows).encode())
+
+
+def _install_near_tie_probe(worker):
+    import zlib
+
+    import numpy as np
+
+    from vllm_specplug.proposers.base import TargetTopK
+
+    d = worker.model_runner.drafter
+    rank = worker.rank
+    log = {"topk": [], "own": [], "adopted": [], "flipped": 0}
+    d._probe_log = log
+    prop = d.proposer
+    observe, agree = prop.observe, d._agree_across_ranks
+
+    def probe_observe(req_id, committed, topk=None):
+        if topk is not None:
+            log["topk"].append(zlib.crc32(np.ascontiguousarray(topk.token_ids).data)
+                               ^ zlib.crc32(np.ascontiguousarray(topk.logprobs).data))
+            if rank == 1:
+                ids, lp = topk.token_ids.copy(), topk.logprobs
+                near = (lp[:, 0] - lp[:, 1]) < NEAR_TIE
+                ids[near, 0], ids[near, 1] = topk.token_ids[near, 1], topk.token_ids[near, 0]
+                log["flipped"] += int(near.sum())
+                topk = TargetTopK(topk.input_ids, ids, lp)
+        return observe(req_id, committed, topk)
+
+    def probe_agree(req_ids, drafts):
+        log["own"].append(_digest(req_ids, drafts, d.trees))
+        out = agree(req_ids, drafts)
+        log["adopted"].append(_digest(req_ids, out, d.trees))
+        return out
+
+    prop.observe = probe_observe
+    d._agree_across_ranks = probe_agree
+    return rank
+
+
+def _remove_near_tie_probe(worker):
+    d = worker.model_runner.drafter
+    del d.proposer.observe
+    del d._agree_across_ranks
+    log = d.__dict__.pop("_probe_log")
+    return {**log, "rank": worker.rank, "stats": d.stats()}
+
+
+def test_tp2_near_tied_logits_do_not_diverge_ranks(get_llm, prompts, reference):
+    llm = tp_llm(get_llm, "tp2_token_recycling", {"method": "token_recycling"})
+    assert sorted(llm.llm_engine.collective_rpc(_install_near_tie_probe)) == [0, 1]
+    try:
+        outs = chat(llm, prompts, max_tokens=MAX_TOKENS)
+    finally:
+        logs = sorted(llm.llm_engine.collective_rpc(_remove_near_tie_probe),
+                      key=lambda x: x["rank"])
+    for a, b in zip(reference, outs):
+        assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids)
+    r0, r1 = logs
+    # unprovoked, both ranks receive bit-identical top-k at every step
+    assert r0["topk"] and r0["topk"] == r1["topk"]
+    # the provocation took effect: rank 1 resolved near ties the other way,
+    # and its own drafts differed from rank 0's at some steps ...
+    assert r1["flipped"] > 0
+    assert any(o != a for o, a in zip(r1["own"], r1["adopted"]))
+    assert r1["stats"]["proposer"]["matrix_crc32"] != r0["stats"]["proposer"]["matrix_crc32"]
+    # ... yet every rank verified rank 0's drafts and trees at every step
+    assert r0["own"] == r0["adopted"]
+    assert r0["adopted"] == r1["adopted"]
+    assert r0["stats"]["errors"] == r1["stats"]["errors"] == 0
+
+
+# ------------------------------------------------------------------------ Ray
+RAY_SPEC = {"method": "sam_tr"}
+
+
+def test_ray_executor_tp2_on_cpu(prompts, reference, tmp_path):
+    """vLLM's Ray executor (RayExecutorV2) at TP=2 on the CPU platform, whose
+    refusal ("current platform cpu does not support ray") is lifted in the
+    engine's own process and its Ray workers only (``tests/ray_cpu_engine.py``;
+    the plugin itself never does this). Our plugin loads in the Ray worker
+    processes through its entry point; ``sam_tr`` (SAM chains and Token
+    Recycling trees) gives greedy output identical to plain decoding at TP=1."""
+    pytest.importorskip("ray")
+    import json
+    import subprocess
+    import sys
+
+    import vllm_specplug
+    from vllm_specplug.models import padded_heads_model_path
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    (tmp_path / "prompts.json").write_text(json.dumps(prompts))
+    env = {**os.environ, **TP_ENV}
+    env["PYTHONPATH"] = os.pathsep.join(
+        [os.path.dirname(here)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    proc = subprocess.run(
+        [sys.executable, os.path.join(here, "ray_cpu_engine.py"), "--model",
+         padded_heads_model_path(2), "--tp", "2", "--spec", json.dumps(RAY_SPEC),
+         "--prompts", str(tmp_path / "prompts.json"), "--max-tokens", str(MAX_TOKENS)],
+        capture_output=True, text=True, timeout=900, env=env)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, (proc.stdout + proc.stderr)[-6000:]
+    res = json.loads(lines[-1][len("RESULT "):])
+    assert res["executor"] == "RayExecutorV2"
+    for a, tokens in zip(reference, res["tokens"]):
+        assert list(a.outputs[0].token_ids) == tokens
+    ranks = sorted(res["ranks"], key=lambda s: s["rank"])
+    assert [s["rank"] for s in ranks] == [0, 1]
+    # each rank is its own Ray worker process, which loaded our plugin itself
+    pids = {s["pid"] for s in ranks}
+    assert len(pids) == 2 and res["driver_pid"] not in pids and os.getpid() not in pids
+    for s in ranks:
+        assert s["plugin_version"] == vllm_specplug.__version__
+        assert "GPUModelRunner._sample" in s["patches"]
+        assert "GPUModelRunner._prepare_inputs" in s["patches"]
+        assert s["errors"] == 0, s
+    # both branches ran, and Token Recycling's matrix is the same on both ranks
+    assert ranks[0]["proposer"]["sam_steps"] > 0 and ranks[0]["proposer"]["tr_steps"] > 0
+    crc = [s["proposer"]["token_recycling"]["matrix_crc32"] for s in ranks]
+    assert crc[0] == crc[1], crc
+
+
+# --------------------------------------------------------- pipeline parallel
+@pytest.mark.parametrize("spec, why", [
+    ({"method": "token_recycling"}, "drafts trees"),
+    ({"method": "sam_tr"}, "drafts trees"),
+    ({"method": "del"}, "first layers"),
+    ({"method": "sam", "acceptance": "block"}, "acceptance"),
+])
+def test_pp2_refused_before_engine_start(model_path, spec, why):
+    """Methods that need our patches outside the last pipeline stage (vLLM
+    builds the drafter there only) fail in the engine config, naming the
+    reason and the alternatives, before any engine process starts."""
+    from vllm import LLM
+
+    from vllm_specplug.options import SpecPlugConfigError
+
+    with pytest.raises(SpecPlugConfigError) as e:
+        LLM(model=model_path, dtype="float32", enforce_eager=True, max_model_len=512,
+            pipeline_parallel_size=2, distributed_executor_backend="mp",
+            speculative_config=spec)
+    msg = str(e.value)
+    for word in ("pipeline parallelism", "pipeline_parallel_size=2", why,
+                 "tensor_parallel_size"):
+        assert word in msg, msg
+
+
+def test_pp2_sam_greedy_matches_plain(get_llm, prompts, reference):
+    """``sam`` (a chain, verified by vLLM's own rejection sampler on the last
+    stage) runs with two pipeline stages (``mp``, one core each)."""
+    saved = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    os.environ.update(TP_ENV)
+    try:
+        llm = get_llm("pp2_sam", {"method": "sam", "num_speculative_tokens": 8},
+                      pipeline_parallel_size=2, distributed_executor_backend="mp")
+    finally:
+        if saved is None:
+            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+        else:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = saved
+    outs = chat(llm, prompts[:2], max_tokens=MAX_TOKENS)
+    for a, b in zip(reference[:2], outs):
+        assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids)
+    ranks = llm.llm_engine.collective_rpc(_stage_stats)
+    # the drafter lives on the last stage only
+    assert [s is None for s in ranks] == [True, False], ranks
+    assert ranks[1]["errors"] == 0 and ranks[1]["proposer"]["dynamic_drafts"] > 0
+
+
+def _stage_stats(worker):
+    drafter = getattr(worker.model_runner, "drafter", None)
+    return drafter.stats() if drafter is not None else None
