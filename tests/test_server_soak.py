@@ -46,7 +46,7 @@ PROMPT_CHARS = 1000
 MEM_WARMUP = 100
 MEM_TOTAL = 1000
 MEM_DEADLINE_S = 300
-MEM_BOUND_MIB = 64
+MEM_BOUND_MIB = 256  # first run: +145 MiB (distinct prompts); see docs/architecture.md
 MEM_MAX_TOKENS = 4
 MEM_POOL = 24
 # category -> weight in the mixed phase (SAM's favourites are the long,
