@@ -73,3 +73,23 @@ def test_drafter_saves_and_next_drafter_starts_from_cache(tmp_path, monkeypatch)
 def test_cache_can_be_disabled(monkeypatch):
     monkeypatch.setenv("VLLM_SPECPLUG_STEP_COST_CACHE", "0")
     assert step_cost_cache_path(config()) is None
+
+
+def test_a_slow_first_step_does_not_inflate_the_token_cost_for_good():
+    """Regression: the prior was scaled to the first measured step only. A slow
+    first step (warm-up, a busy machine) then gave the prior's 17-token
+    point a huge time while all later steps verified one token, so the fit's
+    slope stayed several times the step cost, and "auto" budgets drafted
+    nothing for the rest of the engine's life (seen in a benchmark: a
+    relative token cost of 0.62 and tau 1.00). With only one-token steps the
+    slope must keep the prior's ratio to the measured step time."""
+    from vllm_specplug.budget import StepCostModel
+
+    m = StepCostModel(prior_a=1.0, prior_b=0.068, prior_weight=32.0)
+    m.add(1, 0.9)                       # a slow first step
+    for _ in range(1500):
+        m.add(1, 0.070)                 # then plain 70 ms steps, no drafts
+    a, b = m.fit()
+    assert a + b == pytest.approx(0.070, rel=0.05)
+    assert b / a == pytest.approx(0.068, rel=0.1)
+    assert m.relative_token_cost(1) < 0.1

@@ -47,10 +47,18 @@ class StepCostModel:
         self.decay = decay
         self.prior = (prior_a, prior_b, prior_weight)
         # sums over (weight, x, x^2, y, x*y); the prior enters as two points at
-        # x = 1 and x = 17 scaled to the first measurement (so units cancel)
+        # x = 1 and x = 17, scaled to the measurements' level (the decayed
+        # mean of seconds / prior cost), so units cancel and the prior's
+        # slope keeps its ratio to the measured step time. (Scaling to the
+        # first measurement alone let one slow first step inflate the
+        # prior's slope for good while every step verified one token.)
         self._s = np.zeros(5)
-        self._scale: float | None = None
+        self._level = 0.0  # decayed sum of seconds / (a + b * tokens) (prior a, b)
         self.samples = 0
+
+    @property
+    def _scale(self) -> float | None:
+        return self._level / self._s[0] if self._s[0] > 0 else None
 
     def _with_prior(self) -> np.ndarray:
         a, b, w = self.prior
@@ -74,15 +82,15 @@ class StepCostModel:
     def add(self, tokens: int, seconds: float) -> None:
         if tokens <= 0 or not seconds > 0:
             return
-        if self._scale is None:
-            a, b = self.prior[:2]
-            self._scale = seconds / (a + b * tokens)
-        else:
+        if self.samples:
             a, b = self.fit()
             if seconds > 5 * (a + b * tokens):  # a stall (GC, scheduler): ignore
                 return
+        pa, pb = self.prior[:2]
         self._s *= self.decay
+        self._level *= self.decay
         self._s += np.array([1.0, tokens, tokens * tokens, seconds, tokens * seconds])
+        self._level += seconds / (pa + pb * tokens)
         self.samples += 1
 
     def relative_token_cost(self, batch_tokens: int = 1) -> float:
