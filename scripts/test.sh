@@ -5,4 +5,4 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 PY=${PYTHON:-python3}
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
-exec "$PY" -m pytest -q -p no:cacheprovider tests "$@"
+exec "$PY" -m pytest -q -p no:cacheprovider --durations=40 tests "$@"
