@@ -523,8 +523,8 @@ def test_edge_requests_are_served(server, reference):
     (c,) = ok(prompt=[1] * (MAX_MODEL_LEN - 1), max_tokens=None)
     assert len(c["token_ids"]) == 1 and c["finish_reason"] == "length"
     # a repetitive prompt (long drafts) runs right up to max_model_len
-    (c,) = ok(prompt=[1, 2, 3] * 160, max_tokens=None)
-    assert len(c["token_ids"]) == MAX_MODEL_LEN - 480
+    (c,) = ok(prompt=[1, 2, 3] * 160, max_tokens=None, ignore_eos=True)
+    assert len(c["token_ids"]) == MAX_MODEL_LEN - 480 and c["finish_reason"] == "length"
     # a stop string
     (c,) = ok(stop=["mat"])
     assert c["finish_reason"] == "stop" and c["stop_reason"] == "mat"
