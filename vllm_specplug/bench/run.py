@@ -172,7 +172,8 @@ def analyse(model, methods, configs, prompts, raw, notes, **settings) -> dict:
                                            base_cat[c]) for c in categories},
                  "outputs_differing_from_plain": len(diffs),
                  "differing_prompt_ids": diffs,
-                 "per_prompt": [{k: v for k, v in r.items() if k != "token_ids"} for r in rows]}
+                 "per_prompt": [{k: v for k, v in r.items()
+                                 if k not in ("token_ids", "prompt_token_ids")} for r in rows]}
         if raw[m].get("drafter_stats"):
             entry["drafter_stats"] = raw[m]["drafter_stats"]
         b = raw[m].get("batch")
