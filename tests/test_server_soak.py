@@ -45,8 +45,12 @@ MIXED_DEADLINE_S = 180
 PROMPT_CHARS = 1000
 MEM_WARMUP = 100
 MEM_TOTAL = 1000
-MEM_DEADLINE_S = 300
-MEM_BOUND_MIB = 256  # first run: +145 MiB (distinct prompts); see docs/architecture.md
+MEM_DEADLINE_S = 600
+# Measured: +145 MiB (distinct prompts) and +231 MiB (prompt pool) from 100 to
+# 1,000 requests, flat from 500 on (2943 -> 2972 MiB); the allocator and
+# vLLM grow early. A per-request leak shows as growth over the second half.
+MEM_BOUND_MIB = 512
+MEM_LATE_BOUND_MIB = 128  # from MEM_TOTAL / 2 to MEM_TOTAL: > ~256 KB per request fails
 MEM_MAX_TOKENS = 4
 MEM_POOL = 24
 # category -> weight in the mixed phase (SAM's favourites are the long,
@@ -368,4 +372,6 @@ def test_soak_memory_after_1000_requests(soak, spec_bench_prompts):
     assert (stats["active_requests"], stats["state_bytes"], stats["errors"]) == (0, 0, 0)
     assert tr1 == tr2 and tr1, (tr1, tr2)
     assert growth <= MEM_BOUND_MIB, rss
+    late = (rss[MEM_TOTAL] - rss[MEM_TOTAL // 2]) / mib
+    assert late <= MEM_LATE_BOUND_MIB, rss
     _server_alive(soak, engine_pid)
