@@ -223,16 +223,11 @@ def test_ray_executor_tp2_on_cpu(prompts, reference, tmp_path):
 
 
 # --------------------------------------------------------- pipeline parallel
-@pytest.mark.parametrize("spec, why", [
-    ({"method": "token_recycling"}, "drafts trees"),
-    ({"method": "sam_tr"}, "drafts trees"),
-    ({"method": "del"}, "first layers"),
-    ({"method": "sam", "acceptance": "block"}, "acceptance"),
-])
-def test_pp2_refused_before_engine_start(model_path, spec, why):
-    """Methods that need our patches outside the last pipeline stage (vLLM
-    builds the drafter there only) fail in the engine config, naming the
-    reason and the alternatives, before any engine process starts."""
+def test_pp2_refused_on_cpu_for_every_method(model_path):
+    """On vLLM 0.32's CPU runner, pipeline parallelism with any speculative
+    config dies at engine start inside vLLM (the stages before the last have
+    no drafter; seen with sam). We refuse it in the engine config instead,
+    saying why, before any engine process starts."""
     from vllm import LLM
 
     from vllm_specplug.options import SpecPlugConfigError
@@ -240,33 +235,10 @@ def test_pp2_refused_before_engine_start(model_path, spec, why):
     with pytest.raises(SpecPlugConfigError) as e:
         LLM(model=model_path, dtype="float32", enforce_eager=True, max_model_len=512,
             pipeline_parallel_size=2, distributed_executor_backend="mp",
-            speculative_config=spec)
+            speculative_config={"method": "sam", "num_speculative_tokens": 8})
     msg = str(e.value)
-    for word in ("pipeline parallelism", "pipeline_parallel_size=2", why,
-                 "tensor_parallel_size"):
+    for word in ("pipeline_parallel_size=2", "CPU runner", "tensor_parallel_size"):
         assert word in msg, msg
-
-
-def test_pp2_sam_greedy_matches_plain(get_llm, prompts, reference):
-    """``sam`` (a chain, verified by vLLM's own rejection sampler on the last
-    stage) runs with two pipeline stages (``mp``, one core each)."""
-    saved = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
-    os.environ.update(TP_ENV)
-    try:
-        llm = get_llm("pp2_sam", {"method": "sam", "num_speculative_tokens": 8},
-                      pipeline_parallel_size=2, distributed_executor_backend="mp")
-    finally:
-        if saved is None:
-            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-        else:
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = saved
-    outs = chat(llm, prompts[:2], max_tokens=MAX_TOKENS)
-    for a, b in zip(reference[:2], outs):
-        assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids)
-    ranks = llm.llm_engine.collective_rpc(_stage_stats)
-    # the drafter lives on the last stage only
-    assert [s is None for s in ranks] == [True, False], ranks
-    assert ranks[1]["errors"] == 0 and ranks[1]["proposer"]["dynamic_drafts"] > 0
 
 
 def _stage_stats(worker):

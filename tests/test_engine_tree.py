@@ -124,6 +124,21 @@ def test_tree_sampling_matches_plain_sampling(get_llm, plain_samples):
     assert _chi2_same_distribution(plain_samples, tree) > 1e-3
 
 
+def test_sam_tr_sampling_matches_plain_sampling(get_llm, plain_samples):
+    """The real hybrid at temperature 0.8: Token Recycling trees (its matrix
+    learns from the target's top-k as the samples run) and SAM chains, all
+    in batches of 200 (batch-aware budgets off, or they would rightly cut
+    most drafts at that batch size)."""
+    llm = get_llm("sam_tr_sampling", {"method": "sam_tr", "num_speculative_tokens": 8,
+                                      "batch_budget": "off"})
+    before = llm.llm_engine.collective_rpc(_stats)[0]["tree"]
+    samples = _first_three(llm)
+    after = llm.llm_engine.collective_rpc(_stats)[0]["tree"]
+    assert after["tree_steps"] - before["tree_steps"] > 0.2 * N_SAMPLES, after
+    assert after["tree_accepted"] - before["tree_accepted"] > 0.05 * N_SAMPLES, after
+    assert _chi2_same_distribution(plain_samples, samples) > 1e-3
+
+
 @pytest.mark.parametrize("acceptance", [None, "block"])
 def test_chain_sampling_matches_plain_sampling(get_llm, plain_samples, acceptance):
     """Chains go through vLLM's own rejection sampler (acceptance None); on

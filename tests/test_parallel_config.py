@@ -1,4 +1,4 @@
-"""Which methods run with pipeline parallelism (no engine, no vLLM import)."""
+"""Which methods run with pipeline parallelism (no engine)."""
 from __future__ import annotations
 
 import pytest
@@ -14,7 +14,7 @@ from vllm_specplug.vllm_adapter.engine_args import check_pipeline_parallel
 ])
 def test_chain_methods_run_with_pipeline_parallelism(spec):
     _, plugin = translate(spec)
-    check_pipeline_parallel(plugin, 2)
+    check_pipeline_parallel(plugin, 2, on_cpu=False)
     check_pipeline_parallel(plugin, 1)
 
 
@@ -30,7 +30,18 @@ def test_other_methods_refuse_pipeline_parallelism(spec, why):
     _, plugin = translate(spec)
     check_pipeline_parallel(plugin, 1)  # no pipeline: fine
     with pytest.raises(SpecPlugConfigError) as e:
-        check_pipeline_parallel(plugin, 4)
+        check_pipeline_parallel(plugin, 4, on_cpu=False)
     msg = str(e.value)
     assert why in msg and "pipeline_parallel_size=4" in msg and "tensor_parallel_size" in msg
     assert repr(spec["method"]) in msg or "acceptance" in msg
+
+
+@pytest.mark.parametrize("method", ["sam", "token_recycling", "del"])
+def test_every_method_refuses_pipeline_parallelism_on_cpu(method):
+    """vLLM 0.32's CPU runner fails to start PP with any speculative config
+    (stages before the last have no drafter); refused with the reason."""
+    _, plugin = translate({"method": method})
+    check_pipeline_parallel(plugin, 1, on_cpu=True)
+    with pytest.raises(SpecPlugConfigError, match="CPU runner") as e:
+        check_pipeline_parallel(plugin, 2, on_cpu=True)
+    assert "pipeline_parallel_size=2" in str(e.value)

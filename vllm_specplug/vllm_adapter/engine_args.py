@@ -44,11 +44,25 @@ def pipeline_parallel_problem(plugin: dict[str, Any]) -> str | None:
     return None
 
 
-def check_pipeline_parallel(plugin: dict[str, Any], pipeline_parallel_size: int) -> None:
+def check_pipeline_parallel(plugin: dict[str, Any], pipeline_parallel_size: int,
+                            on_cpu: bool | None = None) -> None:
     """Refuse, before the engine starts, a method that cannot run with
-    ``pipeline_parallel_size`` > 1 (see ``pipeline_parallel_problem``)."""
+    ``pipeline_parallel_size`` > 1 (see ``pipeline_parallel_problem``), and
+    any method on vLLM's CPU runner (``on_cpu``: default, the platform's)."""
     if int(pipeline_parallel_size or 1) <= 1:
         return
+    if on_cpu is None:
+        from vllm.platforms import current_platform
+
+        on_cpu = current_platform.is_cpu()
+    if on_cpu:
+        raise plugin_config.SpecPlugConfigError(
+            f"pipeline parallelism (pipeline_parallel_size={pipeline_parallel_size}) with "
+            f"speculative decoding does not start on vLLM 0.32's CPU runner, whatever the "
+            f"method: the runners of the stages before the last have no drafter, and vLLM's "
+            f"own initialize_kv_cache_tensors reads it (AttributeError: 'CPUModelRunner' "
+            f"object has no attribute 'drafter'). Use tensor parallelism instead "
+            f"(tensor_parallel_size), or drop the speculative config")
     why = pipeline_parallel_problem(plugin)
     if why is not None:
         raise plugin_config.SpecPlugConfigError(
