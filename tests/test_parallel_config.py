@@ -45,3 +45,12 @@ def test_every_method_refuses_pipeline_parallelism_on_cpu(method):
     with pytest.raises(SpecPlugConfigError, match="CPU runner") as e:
         check_pipeline_parallel(plugin, 2, on_cpu=True)
     assert "pipeline_parallel_size=2" in str(e.value)
+
+
+def test_del_refuses_tensor_parallelism_until_verified():
+    from vllm_specplug.vllm_adapter.engine_args import check_tensor_parallel
+
+    check_tensor_parallel(translate({"method": "del"})[1], 1)
+    check_tensor_parallel(translate({"method": "sam"})[1], 2)
+    with pytest.raises(SpecPlugConfigError, match="tensor_parallel_size=2"):
+        check_tensor_parallel(translate({"method": "del"})[1], 2)

@@ -117,6 +117,9 @@ class Proposer(ABC):
     #: not supported); the proposer then gets ``auto_budget=True`` and sizes
     #: each draft from ``relative_token_cost``.
     auto_budget_max: ClassVar[int] = 0
+    #: Whether the method may run with tensor parallelism (verified there);
+    #: False: refused at engine config when tensor_parallel_size > 1.
+    supports_tensor_parallel: ClassVar[bool] = True
     #: ``num_speculative_tokens`` when the user gives none.
     default_num_speculative_tokens: ClassVar[int | str] = 8
     #: Cost of verifying one more token relative to the current step's cost,

@@ -161,6 +161,10 @@ class _Request:
 class DelProposer(Proposer):
     name: ClassVar[str] = "del"
     default_num_speculative_tokens: ClassVar[int] = 4
+    # Every rank must draft in lockstep (the layers all-reduce); designed for
+    # it but not yet run at TP > 1, where a disagreement would hang the
+    # engine, so refused until verified (scripts/check_del_tp.py).
+    supports_tensor_parallel: ClassVar[bool] = False
     #: The adapter factory that binds this proposer to the loaded target
     #: (``bind_target``); the drafter calls it from ``load_model``.
     target_hook: ClassVar[str] = "vllm_specplug.vllm_adapter.early_exit_runner:make_exit_hook"

@@ -72,6 +72,20 @@ def check_pipeline_parallel(plugin: dict[str, Any], pipeline_parallel_size: int,
             f"without 'acceptance' (e.g. sam) with pipeline parallelism.")
 
 
+def check_tensor_parallel(plugin: dict[str, Any], tensor_parallel_size: int) -> None:
+    """Refuse, before the engine starts, a method not verified under tensor
+    parallelism (``Proposer.supports_tensor_parallel``)."""
+    from ..registry import get_proposer_class
+
+    if int(tensor_parallel_size or 1) > 1 and not get_proposer_class(
+            plugin["method"]).supports_tensor_parallel:
+        raise plugin_config.SpecPlugConfigError(
+            f"method {plugin['method']!r} is not yet supported with tensor parallelism "
+            f"(tensor_parallel_size={tensor_parallel_size}): every rank must draft in "
+            f"lockstep and this has not been verified; use tensor_parallel_size=1, or "
+            f"another method (sam, token_recycling, sam_tr run with tensor parallelism)")
+
+
 def make_create_speculative_config(original):
     def create_speculative_config(self, target_model_config, target_parallel_config):
         if not isinstance(self.speculative_config or {}, Mapping):
@@ -95,6 +109,8 @@ def make_create_speculative_config(original):
                 spec, tokenizer=target_model_config.tokenizer)
             check_pipeline_parallel(
                 plugin, getattr(target_parallel_config, "pipeline_parallel_size", 1))
+            check_tensor_parallel(
+                plugin, getattr(target_parallel_config, "tensor_parallel_size", 1))
             self.spec_method = self.spec_model = self.spec_tokens = None
             self.speculative_config = vllm_kwargs
             self.additional_config = {**(self.additional_config or {}),
