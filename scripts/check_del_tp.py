@@ -27,6 +27,11 @@ def _stats(worker):
 
 
 def main() -> int:
+    # del is refused at tensor_parallel_size > 1 until this check has passed;
+    # lift the refusal in this process only
+    from vllm_specplug.proposers.early_exit import DelProposer
+
+    DelProposer.supports_tensor_parallel = True
     prompts = [r["prompt"] for r in pick(load_prompts(), ["summarization", "coding", "rag"], 1)]
     plain = build_llm(default_model_path(), None, max_model_len=2048)
     ref = chat(plain, prompts, max_tokens=32)
