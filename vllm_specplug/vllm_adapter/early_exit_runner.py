@@ -256,7 +256,17 @@ def _head_cost(model: Any, layer: Any) -> float:
     """The LM head's weights over one decoder layer's (this rank's shares)."""
     head = getattr(model, "lm_head", None)
     weight = getattr(head, "weight", None)
-    layer_params = sum(p.numel() for p in layer.parameters())
+    # vLLM's linear layers know their shard's shape even where the CPU
+    # backend repacked their weights (layer.parameters() then holds only the
+    # norms: a ratio of ~24,576 instead of ~8 for SmolLM2 was seen)
+    layer_params = 0
+    for m in layer.modules():
+        n_in = getattr(m, "input_size_per_partition", None)
+        n_out = getattr(m, "output_size_per_partition", None)
+        if n_in and n_out:
+            layer_params += int(n_in) * int(n_out)
+    if layer_params == 0:
+        layer_params = sum(p.numel() for p in layer.parameters())
     if weight is None or layer_params == 0:
         return 0.0
     return float(weight.numel()) / float(layer_params)
