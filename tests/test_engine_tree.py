@@ -129,7 +129,7 @@ def test_sam_tr_sampling_matches_plain_sampling(get_llm, plain_samples):
     learns from the target's top-k as the samples run) and SAM chains, all
     in batches of 200 (batch-aware budgets off, or they would rightly cut
     most drafts at that batch size)."""
-    llm = get_llm("sam_tr_sampling", {"method": "sam_tr", "num_speculative_tokens": 8,
+    llm = get_llm("sam_tr_sampling", {"method": "sam_tr", "num_speculative_tokens": 3,
                                       "batch_budget": "off"})
     before = llm.llm_engine.collective_rpc(_stats)[0]["tree"]
     samples = _first_three(llm)
