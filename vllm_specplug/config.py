@@ -97,7 +97,12 @@ def translate(spec: Mapping[str, Any], tokenizer: str | None = None
         raise SpecPlugConfigError(
             f"speculative_config['num_speculative_tokens'] for method {method!r} must be an "
             f"integer in [1, {MAX_NUM_SPECULATIVE_TOKENS}]{also}, got {k!r}")
-    for taken in ("model", "custom_class"):
+    # "model" is vLLM's key for a draft model; a method that drafts with a
+    # model of its own (``takes_model_path``, e.g. eagle2's head folder)
+    # keeps it as its option ``options["model"]``
+    taken_keys = ("custom_class",) if getattr(cls, "takes_model_path", False) \
+        else ("model", "custom_class")
+    for taken in taken_keys:
         if taken in spec:
             raise SpecPlugConfigError(
                 f"speculative_config[{taken!r}] is not used by method {method!r}; remove it. "
