@@ -23,6 +23,8 @@ BUILTIN_PROPOSERS: dict[str, str] = {
     "token_recycling": "vllm_specplug.proposers.token_recycling:TokenRecyclingProposer",
     "sam_tr": "vllm_specplug.proposers.hybrid:SamTokenRecyclingProposer",
     "del": "vllm_specplug.proposers.early_exit:DelProposer",
+    "eagle2": "vllm_specplug.proposers.eagle2:Eagle2Proposer",
+    "sam_eagle2": "vllm_specplug.proposers.hybrid:SamEagle2Proposer",
     # For tests of tree verification, not for speed:
     "debug_oracle_tree": "vllm_specplug.proposers.testing:OracleTreeProposer",
     "debug_random_tree": "vllm_specplug.proposers.testing:RandomTreeProposer",
