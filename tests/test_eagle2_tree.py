@@ -171,10 +171,10 @@ def test_hand_worked_tree():
 
 
 def test_hand_worked_tree_smaller_budgets_prune_exactly():
-    # 3 nodes: 10, 11, 22. After depth 1 the 3rd best score is .35's... only
-    # 10 and 11 exist (< 3), so both are fed; after depth 2 the 3rd best is
-    # .315 (22): only 10 (.6) and 11 (.35) beat it, but they are depth 1, so
-    # depth 2's frontier (22 .315, 20 .30) is not fed at all.
+    # 3 nodes: 10, 11, 22. After depth 1 there are fewer than 3 candidates,
+    # so both are fed; after depth 2 the 3rd best score is .315 (22), which
+    # no depth-2 frontier node (22 .315, 20 .30) beats: nothing below them
+    # can be drafted, so depth 3 is never expanded.
     head = FakeHead(HAND)
     draft, c = run(head, depth=3, topk=2, max_nodes=3)
     assert draft.tokens.tolist() == [10, 11, 22] and draft.parents.tolist() == [-1, -1, 1]
