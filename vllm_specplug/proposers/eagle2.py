@@ -385,8 +385,9 @@ class Eagle2Proposer(Proposer):
         Option("model", str, "",
                "folder of the trained EAGLE head (config.json and model.safetensors); "
                "required"),
-        Option("depth", int, 6, "most expand steps of the draft tree (tree depth)",
-               minimum=1, maximum=16),
+        Option("depth", int, 6,
+               "most depths of the draft tree (the head's root call, then at most "
+               "depth - 1 expand calls per step)", minimum=1, maximum=16),
         Option("topk", int, 10,
                "children per expanded node and frontier width of the draft tree",
                minimum=1, maximum=32),
