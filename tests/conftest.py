@@ -59,3 +59,33 @@ def spec_bench_prompts():
     from vllm_specplug.bench.prompts import load_prompts
 
     return load_prompts()
+
+
+# ---------------------------------------------------------------- EAGLE heads
+@pytest.fixture(scope="session")
+def eagle_random_head(model_path, tmp_path_factory):
+    import json
+
+    import torch
+
+    from vllm_specplug.eagle.head import EagleHead, EagleHeadConfig, save_head
+
+    with open(f"{model_path}/config.json") as f:
+        config = EagleHeadConfig.from_dict(json.load(f))
+    torch.manual_seed(0)
+    head = EagleHead(config)
+    out = tmp_path_factory.mktemp("eagle_random_head")
+    save_head(head, config, out)
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def eagle_trained_head(model_path, tmp_path_factory):
+    """A head trained for a minute on the model's own answers to a few
+    built-in (non-Spec-Bench) prompts."""
+    from vllm_specplug.cli import main
+
+    out = tmp_path_factory.mktemp("eagle_trained")
+    assert main(["train-eagle", "--num-prompts", "48", "--max-tokens", "64", "--epochs", "3",
+                 "--out", str(out)]) == 0
+    return str(out / "head")

@@ -69,7 +69,7 @@ N_SAMPLES = 2000
 SAMPLING_PROMPT = "Name a colour."
 
 
-def _first_three(llm):
+def _first_three(llm, n: int = N_SAMPLES):
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.8, top_k=6, max_tokens=3)
@@ -78,7 +78,7 @@ def _first_three(llm):
     # empty tensor); our _sample patch samples those steps with the plain
     # sampler. Batches of 200 keep the run short and the batch mixed.
     out = []
-    for _ in range(N_SAMPLES // 200):
+    for _ in range(n // 200):
         msgs = [[{"role": "user", "content": SAMPLING_PROMPT}]] * 200
         out += [tuple(o.outputs[0].token_ids) for o in llm.chat(msgs, params, use_tqdm=False)]
     return out

@@ -88,6 +88,7 @@ class SpecPlugDrafter:
                 f"{configured}, but this worker (host {platform.node()}) has {__version__}; "
                 f"install the same vllm-specplug version on every node")
         self.plugin = plugin
+        self.vllm_config = vllm_config
         self.method = plugin["method"]
         self.k = int(vllm_config.speculative_config.num_speculative_tokens)
         self.proposer = build_proposer(plugin)
@@ -111,6 +112,8 @@ class SpecPlugDrafter:
         # that read the runner's block table and KV cache (del).
         self.runner = None
         self.target_model = None
+        # the object a target-driving proposer drafts through (del, eagle2)
+        self.target_hook = None
         self.num_errors = 0
         # batch-aware budget steps and the draft nodes they proposed and kept
         self.batch_stats = {"steps": 0, "disabled_steps": 0, "nodes_proposed": 0,
@@ -145,9 +148,23 @@ class SpecPlugDrafter:
             module, _, attr = factory.partition(":")
             hook = getattr(importlib.import_module(module), attr)(self, target_model)
             self.proposer.bind_target(hook)
+            self.target_hook = hook
 
-    def begin_step(self, req_ids: Sequence[str], scheduler_output: Any) -> None:
+    def begin_step(self, req_ids: Sequence[str], scheduler_output: Any,
+                   hidden_states: Any = None, sampled_token_ids: Any = None) -> None:
+        """Called by the runner patch before vLLM asks for drafts: the batch's
+        request ids by row and, for hooks that read them (eagle2), the
+        target's hidden states of this step."""
         self._row_req_ids = req_ids
+        collect = getattr(self.target_hook, "begin_step", None)
+        if collect is not None and isinstance(sampled_token_ids, list):
+            try:
+                collect(self.runner, hidden_states, sampled_token_ids, req_ids,
+                        scheduler_output)
+            except Exception:  # noqa: BLE001 - drafts get worse, output does not change
+                self.num_errors += 1
+                logger.exception("vllm_specplug: %s could not keep this step's target "
+                                 "features", self.method)
 
     def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec,
                 token_ids_cpu, slot_mappings: Any = None) -> list[list[int]]:

@@ -15,7 +15,12 @@ def make_propose_draft_token_ids(original):
         drafter = getattr(self, "drafter", None)
         if isinstance(drafter, SpecPlugDrafter):
             drafter.runner = self
-            drafter.begin_step(self.input_batch.req_ids, scheduler_output)
+            # (scheduler_output, sampled_token_ids, sampling_metadata,
+            #  hidden_states, ...) in vLLM 0.32
+            sampled = args[0] if args else kwargs.get("sampled_token_ids")
+            hidden = args[2] if len(args) > 2 else kwargs.get("hidden_states")
+            drafter.begin_step(self.input_batch.req_ids, scheduler_output,
+                               hidden_states=hidden, sampled_token_ids=sampled)
         return original(self, scheduler_output, *args, **kwargs)
 
     return propose_draft_token_ids

@@ -50,6 +50,7 @@ def make_sample(original):
         from .drafter import SpecPlugDrafter
 
         drafter = getattr(self, "drafter", None)
+        tree_runtime.ACCEPTED_PATHS.clear()
         if not isinstance(drafter, SpecPlugDrafter) or spec_decode_metadata is None:
             tree_runtime.STEP.clear()
             return original(self, logits, spec_decode_metadata)

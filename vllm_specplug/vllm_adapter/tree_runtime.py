@@ -130,6 +130,16 @@ FLASH_TREE_LAYERS = 0
 _GREEDY = GreedyScorer()
 _REJECTION = RejectionScorer()
 _RNG = np.random.default_rng(0)
+#: req_id -> accepted tree path (node indices) of the step just verified, for
+#: hooks that read the target's features at accepted nodes (eagle2)
+ACCEPTED_PATHS: dict[str, list[int]] = {}
+
+
+def take_accepted_paths() -> dict[str, list[int]]:
+    """The accepted paths of the last verified step (and forget them)."""
+    out = dict(ACCEPTED_PATHS)
+    ACCEPTED_PATHS.clear()
+    return out
 
 
 def _falls_back(runner, row: int) -> str | None:
@@ -381,6 +391,7 @@ def accept_trees(runner, rows_per_request: list[torch.Tensor], sampler_output) -
             probs = _processed_probs(rows, temp, top_k, top_p)
             acc = (scorer or _REJECTION).accept(draft, probs, None, _rng_for(sm, tr.row))
         toks = acc.tokens(draft)
+        ACCEPTED_PATHS[tr.req_id] = [int(j) for j in acc.path]
         out[tr.row].fill_(-1)
         out[tr.row, : len(toks)] = torch.tensor(toks, dtype=out.dtype)
         moves = compaction_moves(acc.path)
