@@ -14,7 +14,14 @@ METHOD_CONFIGS: dict[str, dict[str, Any] | None] = {
     # node budget chosen per step from the measured verify cost
     "token_recycling": {"method": "token_recycling", "num_speculative_tokens": "auto"},
     "sam_tr": {"method": "sam_tr", "num_speculative_tokens": "auto"},
+    # EAGLE heads: "model" comes from ``specplug bench --eagle-head DIR``
+    # vLLM's own EAGLE (chains; the EAGLE-1 head format this plugin trains)
+    "eagle": {"method": "eagle", "num_speculative_tokens": 3},
+    "eagle2": {"method": "eagle2", "num_speculative_tokens": "auto"},
+    "sam_eagle2": {"method": "sam_eagle2", "num_speculative_tokens": "auto"},
 }
+#: methods whose speculative config takes the EAGLE head folder as "model"
+EAGLE_HEAD_METHODS = ("eagle", "eagle2", "sam_eagle2")
 
 SPEC_COUNTERS = {
     "vllm:spec_decode_num_drafts": "drafts",

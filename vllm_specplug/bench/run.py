@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .engine import METHOD_CONFIGS
+from .engine import EAGLE_HEAD_METHODS, METHOD_CONFIGS
 from .stats import Counters, summary, total
 
 
@@ -19,10 +19,12 @@ class BenchError(RuntimeError):
     pass
 
 
-def method_config(name: str, overrides: dict[str, dict] | None = None) -> dict | None:
+def method_config(name: str, overrides: dict[str, dict] | None = None,
+                  eagle_head: str | None = None) -> dict | None:
     """The speculative config of a method name (ours or a baseline).
 
-    ``NAME@LABEL`` is a variant of NAME, configured by ``overrides[NAME@LABEL]``."""
+    ``NAME@LABEL`` is a variant of NAME, configured by ``overrides[NAME@LABEL]``;
+    EAGLE methods get ``eagle_head`` as their "model" unless overridden."""
     overrides = overrides or {}
     base = name.split("@", 1)[0]
     if base in METHOD_CONFIGS:
@@ -39,6 +41,11 @@ def method_config(name: str, overrides: dict[str, dict] | None = None) -> dict |
         if cfg is None:
             raise BenchError("plain decoding takes no speculative config")
         cfg.update(overrides[name])
+    if base in EAGLE_HEAD_METHODS and "model" not in cfg:
+        if not eagle_head:
+            raise BenchError(f"method {name!r} needs an EAGLE head: pass --eagle-head DIR "
+                             f"(made by `specplug train-eagle`)")
+        cfg["model"] = str(Path(eagle_head).resolve())
     return cfg
 
 
@@ -108,7 +115,8 @@ def counters_of(rows: list[dict]) -> Counters:
 def run_bench(model: str, methods: list[str], prompts: list[dict], *, max_tokens: int,
               temperature: float, out_dir: Path, overrides: dict[str, dict] | None = None,
               repeat: int = 1, batch: bool = False, engine: dict | None = None,
-              progress: bool = True, quality: bool | None = None) -> dict:
+              progress: bool = True, quality: bool | None = None,
+              eagle_head: str | None = None) -> dict:
     """``quality`` (default: when sampling) adds each method's mean
     log-likelihood of its outputs under the target (``bench.quality``)."""
     from tqdm import tqdm
@@ -123,7 +131,7 @@ def run_bench(model: str, methods: list[str], prompts: list[dict], *, max_tokens
         methods = [m for m in methods if m != "suffix"]
         notes.append("vLLM `suffix` skipped: arctic-inference is not installed "
                      "(see README: `pip install --no-build-isolation arctic-inference==0.3.0`)")
-    configs = {m: method_config(m, overrides) for m in methods}
+    configs = {m: method_config(m, overrides, eagle_head) for m in methods}
     per_method_steps = len(prompts) * repeat + (1 if batch else 0)
     bar = tqdm(total=per_method_steps * len(methods), desc="bench", unit="req",
                disable=not progress)
