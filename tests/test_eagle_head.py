@@ -335,3 +335,37 @@ def test_bin_with_non_tensor_content_refused(saved, tmp_path):
     (folder / "pytorch_model.bin").unlink()
     torch.save({**head.state_dict(), "step": 3}, folder / "pytorch_model.bin")
     _both_fail(folder, "entries that are not tensors: 'step'")
+
+
+# -------------------------------------------------------------------- trainer prompts
+
+
+def test_builtin_prompts_not_from_spec_bench():
+    from vllm_specplug.bench.prompts import load_prompts
+    from vllm_specplug.eagle.prompts import build_prompt_set
+    from vllm_specplug.eagle.train import load_prompt_texts
+
+    ours = load_prompt_texts(None)
+    assert len(ours) == 3164 and len(set(ours)) == len(ours)
+    bench = {r["prompt"].strip() for r in load_prompts()}
+    assert not bench & {p.strip() for p in ours}
+    # the template part is reproducible from the generator
+    templates = {r["prompt"] for r in build_prompt_set()}
+    assert templates <= set(ours) and len(templates) == 3000
+
+
+def test_prompt_file_errors(tmp_path):
+    from vllm_specplug.eagle.train import TrainError, load_prompt_texts
+
+    good = tmp_path / "p.jsonl"
+    good.write_text('{"text": "a"}\n\n{"prompt": "b", "text": "ignored"}\n')
+    assert load_prompt_texts(str(good)) == ["a", "b"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "a"}\nnot json\n')
+    with pytest.raises(TrainError, match="bad.jsonl:2: not JSON"):
+        load_prompt_texts(str(bad))
+    bad.write_text('{"question": "a"}\n')
+    with pytest.raises(TrainError, match="line 1: no 'prompt' or 'text'"):
+        load_prompt_texts(str(bad))
+    with pytest.raises(TrainError, match="no such file"):
+        load_prompt_texts(str(tmp_path / "missing.jsonl"))

@@ -1,5 +1,5 @@
-"""``specplug``: demo, bench, list, prepare-model, answers, build-tr, build-sam, and a ``vllm``
-CLI wrapper."""
+"""``specplug``: demo, bench, list, prepare-model, answers, build-tr, build-sam, train-eagle,
+and a ``vllm`` CLI wrapper."""
 from __future__ import annotations
 
 import argparse
@@ -55,7 +55,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         res = run_bench(model, methods, prompts, max_tokens=max_tokens,
                         temperature=args.temperature, out_dir=Path(args.out),
                         overrides=_parse_overrides(args.speculative_config),
-                        repeat=args.repeat, batch=args.batch, quality=args.quality)
+                        repeat=args.repeat, batch=args.batch, quality=args.quality,
+                        eagle_head=args.eagle_head)
     except BenchError as e:
         raise SystemExit(f"bench: {e}")
     md = report.write(res, Path(args.out), with_plots=not args.no_plots)
@@ -187,6 +188,29 @@ def cmd_build_sam(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train_eagle(args: argparse.Namespace) -> int:
+    """Train an EAGLE-1 head for a target (docs/eagle.md)."""
+    from .eagle.train import TrainArgs, TrainError, run
+
+    targs = TrainArgs(out=args.out, target=args.target, prompts=args.prompts,
+                      num_prompts=args.num_prompts, max_tokens=args.max_tokens,
+                      epochs=args.epochs, lr=args.lr, batch_size=args.batch_size,
+                      resume=args.resume, seed=args.seed, only_data=args.only_data,
+                      init=args.init)
+    try:
+        rep = run(targs)
+    except TrainError as e:
+        raise SystemExit(f"train-eagle: {e}")
+    if args.only_data:
+        print(f"{args.out}: answers generated ({json.dumps(rep['generate'])})")
+        return 0
+    top1 = rep["train"]["heldout_top1"]
+    print(f"EAGLE-1 head saved in {rep['head']}; held-out top-1 "
+          f"{'n/a' if top1 is None else f'{top1:.3f}'}; use it with "
+          f"{{\"method\": \"eagle\", \"model\": \"{rep['head']}\"}}")
+    return 0
+
+
 def _summary(cls: type) -> str:
     """The first paragraph of a class's docstring (else of its module's), on one line."""
     doc = cls.__dict__.get("__doc__") or getattr(sys.modules.get(cls.__module__), "__doc__", "")
@@ -279,6 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--speculative-config", action="append", default=[],
                         metavar="METHOD=JSON", help="override a method's config")
         sp.add_argument("--repeat", type=int, default=1)
+        sp.add_argument("--eagle-head", default=None, metavar="DIR",
+                        help="EAGLE head folder for eagle, eagle2 and sam_eagle2 "
+                             "(from `specplug train-eagle`)")
         sp.add_argument("--quality", action=argparse.BooleanOptionalAction, default=None,
                         help="score outputs by the target's mean log-likelihood (default: "
                              "when --temperature > 0)")
@@ -335,6 +362,26 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--quiet", action="store_true", help="no progress bars")
     sp.add_argument("-o", required=True, help="output file (e.g. corpus.sam)")
     sp.set_defaults(func=cmd_build_sam)
+    sp = sub.add_parser("train-eagle", help="train an EAGLE-1 draft head for a target")
+    sp.add_argument("--target", default=None, help="model folder (default: the embedded model)")
+    sp.add_argument("--prompts", default=None,
+                    help="JSONL with a 'prompt' or 'text' field (default: the built-in set, "
+                         "vllm_specplug/data/eagle_prompts.jsonl)")
+    sp.add_argument("--out", required=True, help="output folder (data, features, checkpoint, "
+                                                  "head/)")
+    sp.add_argument("--num-prompts", type=int, default=600)
+    sp.add_argument("--max-tokens", type=int, default=128, help="answer length per prompt")
+    sp.add_argument("--epochs", type=int, default=3)
+    sp.add_argument("--lr", type=float, default=1e-3)
+    sp.add_argument("--batch-size", type=int, default=8, help="sequences per step")
+    sp.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--init", choices=("random", "last"), default="random",
+                    help="decoder layer init: PyTorch's default, or the target's last layer "
+                         "(measured worse, docs/eagle.md)")
+    sp.add_argument("--only-data", action="store_true",
+                    help="stop after generating the answers (the only stage that runs vLLM)")
+    sp.set_defaults(func=cmd_train_eagle)
     sp = sub.add_parser("list", help="installed methods and acceptance rules, their keys, "
                                       "and vLLM patches")
     sp.set_defaults(func=cmd_list)
