@@ -7,6 +7,8 @@ exit layer (plus final norm and LM head) predicts.
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from helpers import chat, pick, tau_of
@@ -94,24 +96,26 @@ def test_del_drafts_equal_truncated_transformers_forward(del_run, model_path):
     assert mismatched == 0, f"{mismatched} of {checked} draft/shadow tokens differ"
 
 
+@pytest.mark.skipif(os.environ.get("SPECPLUG_SLOW_TESTS") != "1",
+                    reason="15 minutes on 2 cores (DEL drafts request by request); "
+                           "run with SPECPLUG_SLOW_TESTS=1")
 def test_del_sampling_matches_plain_sampling(get_llm):
     """At temperature 0.8 (top-k 6) DEL's chains, verified by vLLM's rejection
     sampler, leave the first three tokens distributed as plain sampling's
-    (the chi-square tolerance of test_engine_tree; 600 DEL samples against
-    2,000 plain ones: DEL drafts request by request, ~60 ms a draft here).
-    A fixed exit layer and no confidence stop, so a draft is made every
-    step; batch-aware budgets off (batches of 200)."""
-    from test_engine_tree import _chi2_same_distribution, _first_three
+    (the chi-square tolerance of test_engine_tree). A deep fixed exit layer
+    (layer 8 drafts were accepted once in 1,200) and no confidence stop, so
+    a draft is made every step; batch-aware budgets off (batches of 200).
+    Passed on 2026-12-01 in 912 s."""
+    from test_engine_tree import N_SAMPLES, _chi2_same_distribution, _first_three
 
     from vllm_specplug.bench.engine import counter_delta, read_spec_counters
 
-    n = 600
     plain = _first_three(get_llm("plain"))
     llm = get_llm("del_sampling", {"method": "del", "num_speculative_tokens": 1,
-                                   "del_exit_layer": 8, "del_confidence": 0.0,
+                                   "del_exit_layer": 24, "del_confidence": 0.0,
                                    "batch_budget": "off"})
     before = read_spec_counters(llm)
-    samples = _first_three(llm, n)
+    samples = _first_three(llm)
     delta = counter_delta(read_spec_counters(llm), before)
-    assert delta["drafts"] > 0.5 * n and delta["accepted"] > 0.02 * n, delta
+    assert delta["drafts"] > 0.5 * N_SAMPLES and delta["accepted"] > 0.05 * N_SAMPLES, delta
     assert _chi2_same_distribution(plain, samples) > 1e-3
