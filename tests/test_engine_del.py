@@ -111,7 +111,7 @@ def test_del_sampling_matches_plain_sampling(get_llm):
     from vllm_specplug.bench.engine import counter_delta, read_spec_counters
 
     plain = _first_three(get_llm("plain"))
-    llm = get_llm("del_sampling", {"method": "del", "num_speculative_tokens": 1,
+    llm = get_llm("del_sampling", {"method": "del", "num_speculative_tokens": 2,
                                    "del_exit_layer": 24, "del_confidence": 0.0,
                                    "batch_budget": "off"})
     before = read_spec_counters(llm)
