@@ -18,7 +18,7 @@ pytestmark = pytest.mark.engine
 MAX_TOKENS = 40
 
 
-# batch-aware budgets off: the sampling tests run batches of 200
+# batch-aware budgets off: the sampling test runs batches of 200
 def _random_config(head):
     return {"method": "eagle2", "model": head, "num_speculative_tokens": 8, "depth": 3,
             "topk": 3, "batch_budget": "off"}

@@ -20,8 +20,6 @@ METHOD_CONFIGS: dict[str, dict[str, Any] | None] = {
     "eagle2": {"method": "eagle2", "num_speculative_tokens": "auto"},
     "sam_eagle2": {"method": "sam_eagle2", "num_speculative_tokens": "auto"},
 }
-#: methods whose speculative config takes the EAGLE head folder as "model"
-EAGLE_HEAD_METHODS = ("eagle", "eagle2", "sam_eagle2")
 
 SPEC_COUNTERS = {
     "vllm:spec_decode_num_drafts": "drafts",

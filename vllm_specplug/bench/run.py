@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .engine import EAGLE_HEAD_METHODS, METHOD_CONFIGS
+from .engine import METHOD_CONFIGS
 from .stats import Counters, summary, total
 
 
@@ -41,12 +41,23 @@ def method_config(name: str, overrides: dict[str, dict] | None = None,
         if cfg is None:
             raise BenchError("plain decoding takes no speculative config")
         cfg.update(overrides[name])
-    if base in EAGLE_HEAD_METHODS and "model" not in cfg:
+    if cfg is not None and "model" not in cfg and _takes_head(base):
         if not eagle_head:
             raise BenchError(f"method {name!r} needs an EAGLE head: pass --eagle-head DIR "
                              f"(made by `specplug train-eagle`)")
         cfg["model"] = str(Path(eagle_head).resolve())
     return cfg
+
+
+def _takes_head(method: str) -> bool:
+    """vLLM's ``eagle``, or one of our methods that takes a head folder as
+    "model" (``Proposer.takes_model_path``: eagle2, sam_eagle2)."""
+    if method == "eagle":
+        return True
+    from ..registry import get_proposer_class, proposer_names
+
+    return method in proposer_names() and bool(
+        getattr(get_proposer_class(method), "takes_model_path", False))
 
 
 def suffix_available() -> bool:
