@@ -43,7 +43,7 @@ F64 = dict(atol=1e-10, rtol=1e-10)  # structural tests run in float64: exact up 
 def test_module_does_not_import_vllm():
     import subprocess
 
-    code = ("import sys, vllm_specplug.eagle.head; "
+    code = ("import sys, vllm_specplug.eagle.head, vllm_specplug.eagle.head3; "
             "print(any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.strip()
@@ -242,7 +242,20 @@ def test_wrong_hidden_and_vocab_size(saved):
     _both_fail(path, "vocab_size is 50 but the target's is 49152", vocab_size=49152)
 
 
-def test_eagle3_detected(saved):
+def test_eagle3_loads_as_eagle3_head(saved, tmp_path):
+    from vllm_specplug.eagle import Eagle3Head, Eagle3HeadConfig, save_head3
+
+    cfg3 = Eagle3HeadConfig(**{**vars(small_config()), "draft_vocab_size": 20,
+                               "aux_layer_ids": (2, 4, 7)})
+    path3 = tmp_path / "head3"
+    save_head3(Eagle3Head(cfg3), cfg3, path3)
+    head3, got = load_head(path3, hidden_size=64, vocab_size=50)
+    assert isinstance(head3, Eagle3Head) and head3.kind == "eagle3" and got == cfg3
+    assert head3.needs_aux_layers == (2, 4, 7)
+    check_head_folder(path3, {"hidden_size": 64, "vocab_size": 50})
+    head1, _ = load_head(saved[2])
+    assert isinstance(head1, EagleHead) and head1.kind == "eagle1"
+    # an EAGLE-1 file renamed to EAGLE-3 names is taken as a broken EAGLE-3 head
     _, _, path = saved
 
     def to_eagle3(t):
@@ -253,14 +266,16 @@ def test_eagle3_detected(saved):
         t["fc.weight"] = torch.zeros(64, 192)
 
     _rewrite(path, to_eagle3)
-    msg, _ = _both_fail(path, "EAGLE-3 head .*recognised but not supported yet")
-    assert "EAGLE-1" in msg
+    msg, _ = _both_fail(path, r"missing tensor\(s\) midlayer.input_layernorm.weight, "
+                              r"midlayer.hidden_norm.weight, norm.weight; an EAGLE-3 head needs")
+    assert "model.safetensors" in msg
 
 
-def test_eagle3_detected_by_fc_width_alone(saved):
+def test_fc_over_3_states_in_an_eagle1_folder(saved):
     _, _, path = saved
     _rewrite(path, lambda t: t.__setitem__("fc.weight", torch.zeros(64, 192)))
-    _both_fail(path, "EAGLE-3")
+    _both_fail(path, r"fc.weight has shape \[64, 192\], expected \[64, 128\] .*an fc over 3 "
+                     r"hidden states is EAGLE-3's")
 
 
 def test_unknown_format_and_unexpected_keys(saved):

@@ -1,4 +1,5 @@
-"""The EAGLE-1 draft head (pure torch: no vLLM import) and its checkpoint I/O.
+"""The EAGLE-1 draft head (pure torch: no vLLM import) and the checkpoint I/O
+of EAGLE heads (EAGLE-3 heads: ``head3``; ``load_head`` returns either).
 
 Checkpoint format: EAGLE-1 as vLLM 0.32 loads it for ``"method": "eagle"``
 (``vllm/model_executor/models/llama_eagle.py``: ``EagleLlamaForCausalLM``).
@@ -196,12 +197,13 @@ class RMSNorm(nn.Module):
 
 
 class _Attention(nn.Module):
-    def __init__(self, cfg: EagleHeadConfig):
+    def __init__(self, cfg: EagleHeadConfig, in_size: int | None = None):
         super().__init__()
         h, d, b = cfg.hidden_size, cfg.head_dim, cfg.attention_bias
-        self.q_proj = nn.Linear(h, cfg.num_attention_heads * d, bias=b)
-        self.k_proj = nn.Linear(h, cfg.num_key_value_heads * d, bias=b)
-        self.v_proj = nn.Linear(h, cfg.num_key_value_heads * d, bias=b)
+        n = h if in_size is None else in_size  # q/k/v input width (EAGLE-3: 2h)
+        self.q_proj = nn.Linear(n, cfg.num_attention_heads * d, bias=b)
+        self.k_proj = nn.Linear(n, cfg.num_key_value_heads * d, bias=b)
+        self.v_proj = nn.Linear(n, cfg.num_key_value_heads * d, bias=b)
         self.o_proj = nn.Linear(cfg.num_attention_heads * d, h, bias=b)
 
 
@@ -230,74 +232,73 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-class EagleHead(nn.Module):
-    """One Llama decoder layer over ``fc(cat(embed, feature))``; see the module
-    docstring. ``state_dict()`` keys are exactly the checkpoint keys."""
+def rope_inv_freq(cfg: EagleHeadConfig) -> torch.Tensor:
+    d = cfg.head_dim
+    return 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))
 
-    def __init__(self, cfg: EagleHeadConfig):
-        super().__init__()
-        self.config = cfg
-        self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
-        self.layers = nn.ModuleList([_Layer(cfg)])
-        d = cfg.head_dim
-        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    # -- pieces ------------------------------------------------------------
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin ``[..., T, head_dim]`` (float32) for integer positions ``[..., T]``."""
+    freqs = positions[..., None].float() * inv_freq.to(positions.device)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def attend(cfg: EagleHeadConfig, attn: _Attention, inv_freq: torch.Tensor, x: torch.Tensor,
+           positions: torch.Tensor, past_k: torch.Tensor | None, past_v: torch.Tensor | None,
+           mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Llama self-attention of one layer over ``x`` ``[B, T, in]`` (RoPE, GQA,
+    a KV cache and a mask as in ``EagleHead.forward_batched``): returns the
+    o_proj output ``[B, T, h]`` and this call's keys (after RoPE) and values."""
+    B, T, _ = x.shape
+    q = attn.q_proj(x).view(B, T, cfg.num_attention_heads, cfg.head_dim).transpose(1, 2)
+    k = attn.k_proj(x).view(B, T, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
+    v = attn.v_proj(x).view(B, T, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
+    cos, sin = rope_cos_sin(inv_freq, positions)
+    cos, sin = cos[:, None].to(q.dtype), sin[:, None].to(q.dtype)
+    q = q * cos + rotate_half(q) * sin
+    k = k * cos + rotate_half(k) * sin
+    keys, vals = k, v
+    P = 0
+    if past_k is not None:
+        if past_v is None:
+            raise ValueError("past_k given without past_v")
+        P = past_k.shape[-2]
+        keys = torch.cat((past_k.to(k.dtype), k), dim=-2)
+        vals = torch.cat((past_v.to(v.dtype), v), dim=-2)
+    if mask is None:
+        idx = torch.arange(P + T, device=x.device)
+        mask = idx[None, :] <= (idx[P:, None])
+        mask = mask[None].expand(B, T, P + T)
+    elif mask.shape != (B, T, P + T):
+        raise ValueError(f"mask shape {tuple(mask.shape)}, expected {(B, T, P + T)}")
+    group = cfg.num_attention_heads // cfg.num_key_value_heads
+    if group > 1:
+        keys_r = keys.repeat_interleave(group, dim=1)
+        vals_r = vals.repeat_interleave(group, dim=1)
+    else:
+        keys_r, vals_r = keys, vals
+    o = F.scaled_dot_product_attention(q, keys_r, vals_r, attn_mask=mask[:, None])
+    o = o.transpose(1, 2).reshape(B, T, cfg.num_attention_heads * cfg.head_dim)
+    return attn.o_proj(o), k, v
+
+
+class HeadBase(nn.Module):
+    """What EAGLE-1 and EAGLE-3 heads share: the calling convention
+    (``forward`` over one sequence, ``forward_batched``) and RoPE."""
+
+    kind = ""
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin ``[..., T, head_dim]`` (float32) for integer positions ``[..., T]``."""
-        freqs = positions[..., None].float() * self.inv_freq.to(positions.device)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos(), emb.sin()
+        return rope_cos_sin(self.inv_freq, positions)
 
     def forward_batched(self, embeds: torch.Tensor, features: torch.Tensor,
                         positions: torch.Tensor, past_k: torch.Tensor | None = None,
                         past_v: torch.Tensor | None = None, mask: torch.Tensor | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Batched forward: embeds/features ``[B, T, h]``, positions ``[B, T]``,
-        past_k/past_v ``[B, kvh, P, d]``, mask ``[B, T, P+T]`` (True = may
-        attend; keys are past then new; None = causal over the new tokens with
-        all past visible). Returns hidden ``[B, T, h]`` and this call's keys
-        (after RoPE) and values ``[B, kvh, T, d]``."""
-        cfg = self.config
-        B, T, _ = embeds.shape
-        layer = self.layers[0]
-        attn = layer.self_attn
-        x = self.fc(torch.cat((embeds, features), dim=-1))
-        residual = x
-        q = attn.q_proj(x).view(B, T, cfg.num_attention_heads, cfg.head_dim).transpose(1, 2)
-        k = attn.k_proj(x).view(B, T, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
-        v = attn.v_proj(x).view(B, T, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
-        cos, sin = self.rope(positions)
-        cos, sin = cos[:, None].to(q.dtype), sin[:, None].to(q.dtype)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        keys, vals = k, v
-        P = 0
-        if past_k is not None:
-            if past_v is None:
-                raise ValueError("past_k given without past_v")
-            P = past_k.shape[-2]
-            keys = torch.cat((past_k.to(k.dtype), k), dim=-2)
-            vals = torch.cat((past_v.to(v.dtype), v), dim=-2)
-        if mask is None:
-            idx = torch.arange(P + T, device=x.device)
-            mask = idx[None, :] <= (idx[P:, None])
-            mask = mask[None].expand(B, T, P + T)
-        elif mask.shape != (B, T, P + T):
-            raise ValueError(f"mask shape {tuple(mask.shape)}, expected {(B, T, P + T)}")
-        group = cfg.num_attention_heads // cfg.num_key_value_heads
-        if group > 1:
-            keys_r = keys.repeat_interleave(group, dim=1)
-            vals_r = vals.repeat_interleave(group, dim=1)
-        else:
-            keys_r, vals_r = keys, vals
-        o = F.scaled_dot_product_attention(q, keys_r, vals_r, attn_mask=mask[:, None])
-        o = o.transpose(1, 2).reshape(B, T, cfg.num_attention_heads * cfg.head_dim)
-        h = residual + attn.o_proj(o)
-        out = h + layer.mlp(layer.post_attention_layernorm(h))
-        return out, k, v
+        raise NotImplementedError
 
     def forward(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
                 past_k: torch.Tensor | None = None, past_v: torch.Tensor | None = None,
@@ -313,6 +314,44 @@ class EagleHead(nn.Module):
             None if past_k is None else past_k[None], None if past_v is None else past_v[None],
             None if mask is None else mask[None])
         return out[0], k[0], v[0]
+
+
+class EagleHead(HeadBase):
+    """One Llama decoder layer over ``fc(cat(embed, feature))``; see the module
+    docstring. ``state_dict()`` keys are exactly the checkpoint keys."""
+
+    kind = "eagle1"
+
+    def __init__(self, cfg: EagleHeadConfig):
+        super().__init__()
+        self.config = cfg
+        self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.layers = nn.ModuleList([_Layer(cfg)])
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def forward_batched(self, embeds: torch.Tensor, features: torch.Tensor,
+                        positions: torch.Tensor, past_k: torch.Tensor | None = None,
+                        past_v: torch.Tensor | None = None, mask: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Batched forward: embeds/features ``[B, T, h]``, positions ``[B, T]``,
+        past_k/past_v ``[B, kvh, P, d]``, mask ``[B, T, P+T]`` (True = may
+        attend; keys are past then new; None = causal over the new tokens with
+        all past visible). Returns hidden ``[B, T, h]`` and this call's keys
+        (after RoPE) and values ``[B, kvh, T, d]``."""
+        layer = self.layers[0]
+        x = self.fc(torch.cat((embeds, features), dim=-1))
+        a, k, v = attend(self.config, layer.self_attn, self.inv_freq, x, positions, past_k,
+                         past_v, mask)
+        h = x + a
+        out = h + layer.mlp(layer.post_attention_layernorm(h))
+        return out, k, v
+
+    def logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        """Draft log-probabilities ``[..., vocab]`` (float32) from ``hidden``
+        (``forward``'s output) with the target's LM head weight ``[vocab, h]``
+        (an EAGLE-1 head has none of its own; no final norm)."""
+        w = lm_head_weight.to(device=hidden.device, dtype=hidden.dtype)
+        return torch.log_softmax(F.linear(hidden, w).float(), dim=-1)
 
 
 # --------------------------------------------------------------------------
@@ -403,65 +442,89 @@ def _load_bin(path: Path, *, meta: bool = False) -> dict[str, torch.Tensor]:
     return obj
 
 
-def _describe_eagle3(shapes: Mapping[str, tuple[int, ...]], hidden: int | None) -> bool:
-    if any(k.startswith("midlayer.") for k in shapes) or "d2t" in shapes or "t2d" in shapes:
+def is_eagle3(d: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) -> bool:
+    """An EAGLE-3 folder: an ``*Eagle3*`` architecture in config.json, or
+    EAGLE-3 tensors (``midlayer.*``, ``*.hidden_norm.weight``, ``d2t``/``t2d``)."""
+    archs = d.get("architectures")
+    if isinstance(archs, list) and any(isinstance(a, str) and "Eagle3" in a for a in archs):
         return True
-    fc = shapes.get("fc.weight")
-    return bool(fc is not None and len(fc) == 2 and hidden and fc[1] == 3 * fc[0])
+    return "d2t" in shapes or "t2d" in shapes or any(
+        k.startswith("midlayer.") or k.endswith(".hidden_norm.weight") for k in shapes)
 
 
-def _validate(folder: Path, wfile: Path, d: dict, shapes: Mapping[str, tuple[int, ...]],
-              hidden_size: int | None, vocab_size: int | None) -> EagleHeadConfig:
-    cfg_path = folder / CONFIG_FILE
-    if _describe_eagle3(shapes, d.get("hidden_size")):
-        raise SpecPlugConfigError(
-            f"{wfile}: this is an EAGLE-3 head (midlayer.* / d2t tensors or an fc over 3 hidden "
-            f"states): recognised but not supported yet by specplug's EAGLE methods; use an "
-            f"EAGLE-1 head (one Llama layer over fc(cat(embed, feature)), e.g. trained with "
-            f"`specplug train-eagle`), or vLLM's own \"method\": \"eagle3\"")
-    if "fc.weight" not in shapes or not any(k.startswith("layers.0.") for k in shapes):
-        sample = ", ".join(sorted(shapes)[:6]) or "(no tensors)"
-        raise SpecPlugConfigError(
-            f"{wfile}: not an EAGLE-1 head (expected fc.weight and layers.0.* tensors; found "
-            f"{sample}); " + _HOW_TO_FIX)
-    layers = d.get("num_hidden_layers", 1)
-    if layers != 1:
-        raise SpecPlugConfigError(f"{cfg_path}: num_hidden_layers is {layers}; EAGLE-1 heads "
-                                  f"have exactly 1 decoder layer (set it to 1)")
-    cfg = EagleHeadConfig.from_dict(d, where=str(cfg_path))
-    expected = cfg.expected_shapes()
-    h = cfg.hidden_size
+def check_shapes(wfile: Path, cfg_path: Path, shapes: Mapping[str, tuple[int, ...]],
+                 expected: Mapping[str, tuple[int, ...]], *, kind: str, sizes: str,
+                 tolerated: Mapping[str, tuple[tuple[int, ...], str]] | None = None,
+                 hint=lambda key, shape: "") -> None:
+    """Every ``expected`` tensor present with its shape, nothing else but the
+    ``tolerated`` ones (name -> (shape, what to do when it is wrong)).
+    ``kind`` names the head ("EAGLE-1"), ``sizes`` the config values the
+    shapes come from, ``hint(key, shape)`` an explanation for a wrong or
+    unexpected tensor (" (...)" or "")."""
+    tolerated = tolerated or {}
     missing = [k for k in expected if k not in shapes]
     if missing:
         raise SpecPlugConfigError(
-            f"{wfile}: missing tensor(s) {', '.join(missing)}; an EAGLE-1 head needs "
+            f"{wfile}: missing tensor(s) {', '.join(missing)}; an {kind} head needs "
             f"{', '.join(expected)}")
     for k, shape in expected.items():
         if tuple(shapes[k]) != shape:
             raise SpecPlugConfigError(
                 f"{wfile}: {k} has shape {list(shapes[k])}, expected {list(shape)} from "
-                f"{cfg_path} (hidden_size {h}, heads {cfg.num_attention_heads}/"
-                f"{cfg.num_key_value_heads}, head_dim {cfg.head_dim}, intermediate_size "
-                f"{cfg.intermediate_size}); fix config.json or the weights")
+                f"{cfg_path} ({sizes}){hint(k, shapes[k])}; fix config.json or the weights")
     for k in shapes:
         if k in expected:
             continue
-        if k in TOLERATED_KEYS:
-            if tuple(shapes[k]) != (cfg.vocab_size, h):
+        if k in tolerated:
+            shape, fix = tolerated[k]
+            if tuple(shapes[k]) != shape:
                 raise SpecPlugConfigError(
-                    f"{wfile}: {k} has shape {list(shapes[k])}, expected "
-                    f"{[cfg.vocab_size, h]}; remove it (the head uses the target's)")
+                    f"{wfile}: {k} has shape {list(shapes[k])}, expected {list(shape)}; {fix}")
             continue
-        hint = ""
-        if k == "fc.bias":
-            hint = " (vLLM's EAGLE-1 head has no fc bias; the original EAGLE repo's heads do)"
-        elif k == "layers.0.input_layernorm.weight":
-            hint = " (vLLM's EAGLE-1 layer 0 has no input_layernorm)"
-        elif k.endswith(".bias") and "self_attn" in k:
-            hint = " (set attention_bias true in config.json if the head has them)"
+        optional = f" (optionally {' and '.join(tolerated)})" if tolerated else ""
         raise SpecPlugConfigError(
-            f"{wfile}: unexpected tensor {k!r}{hint}; an EAGLE-1 head holds only "
-            f"{', '.join(expected)} (optionally {' and '.join(TOLERATED_KEYS)})")
+            f"{wfile}: unexpected tensor {k!r}{hint(k, shapes[k])}; an {kind} head holds only "
+            f"{', '.join(expected)}{optional}")
+
+
+def describe_sizes(cfg: EagleHeadConfig) -> str:
+    return (f"hidden_size {cfg.hidden_size}, heads {cfg.num_attention_heads}/"
+            f"{cfg.num_key_value_heads}, head_dim {cfg.head_dim}, intermediate_size "
+            f"{cfg.intermediate_size}")
+
+
+def _eagle1_hint(k: str, shape: tuple[int, ...]) -> str:
+    if k == "fc.weight" and len(shape) == 2 and shape[1] == 3 * shape[0]:
+        return (" (an fc over 3 hidden states is EAGLE-3's, but the folder has no EAGLE-3 "
+                "midlayer.* / d2t tensors nor an Eagle3 architecture)")
+    if k == "fc.bias":
+        return " (vLLM's EAGLE-1 head has no fc bias; the original EAGLE repo's heads do)"
+    if k == "layers.0.input_layernorm.weight":
+        return " (vLLM's EAGLE-1 layer 0 has no input_layernorm)"
+    if k.endswith(".bias") and "self_attn" in k:
+        return " (set attention_bias true in config.json if the head has them)"
+    return ""
+
+
+def _validate(folder: Path, wfile: Path, d: dict, shapes: Mapping[str, tuple[int, ...]],
+              hidden_size: int | None, vocab_size: int | None) -> EagleHeadConfig:
+    cfg_path = folder / CONFIG_FILE
+    if "fc.weight" not in shapes or not any(k.startswith("layers.0.") for k in shapes):
+        sample = ", ".join(sorted(shapes)[:6]) or "(no tensors)"
+        raise SpecPlugConfigError(
+            f"{wfile}: not an EAGLE-1 head (expected fc.weight and layers.0.* tensors; found "
+            f"{sample}) nor an EAGLE-3 head (fc.weight and midlayer.*); " + _HOW_TO_FIX)
+    layers = d.get("num_hidden_layers", 1)
+    if layers != 1:
+        raise SpecPlugConfigError(f"{cfg_path}: num_hidden_layers is {layers}; EAGLE-1 heads "
+                                  f"have exactly 1 decoder layer (set it to 1)")
+    cfg = EagleHeadConfig.from_dict(d, where=str(cfg_path))
+    h = cfg.hidden_size
+    fix = "remove it (the head uses the target's)"
+    check_shapes(wfile, cfg_path, shapes, cfg.expected_shapes(), kind="EAGLE-1",
+                 sizes=describe_sizes(cfg),
+                 tolerated={k: ((cfg.vocab_size, h), fix) for k in TOLERATED_KEYS},
+                 hint=_eagle1_hint)
     if hidden_size is not None and h != hidden_size:
         raise SpecPlugConfigError(
             f"{cfg_path}: the head's hidden_size is {h} but the target's is {hidden_size}: this "
@@ -475,18 +538,37 @@ def _validate(folder: Path, wfile: Path, d: dict, shapes: Mapping[str, tuple[int
     return cfg
 
 
-def _target_sizes(target_config: Mapping[str, Any] | None) -> tuple[int | None, int | None]:
+def _target_sizes(target_config: Mapping[str, Any] | None
+                  ) -> tuple[int | None, int | None, int | None]:
+    """hidden size, vocabulary size and number of layers of the target."""
     if not target_config:
-        return None, None
+        return None, None, None
     t = target_config.get("text_config", target_config)
-    return t.get("hidden_size"), t.get("vocab_size")
+    return t.get("hidden_size"), t.get("vocab_size"), t.get("num_hidden_layers")
+
+
+def _read_tensors(wfile: Path) -> dict[str, torch.Tensor]:
+    if wfile.suffix != ".safetensors":
+        return _load_bin(wfile)
+    header = _safetensors_header(wfile)
+    unknown_dtype = [k for k, (_, dt) in header.items() if dt not in _ST_DTYPES]
+    if unknown_dtype:
+        raise SpecPlugConfigError(f"{wfile}: unsupported dtype for {unknown_dtype[0]!r}")
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(wfile))
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+        raise SpecPlugConfigError(f"{wfile}: cannot read ({e}); re-save the head with "
+                                  f"save_head") from None
 
 
 def check_head_folder(path: str | os.PathLike, target_config: Mapping[str, Any] | None = None
                       ) -> None:
-    """Cheap validation of a head folder before an engine starts: config.json
-    and the tensors' names and shapes (safetensors header; ``.bin`` read on the
-    meta device), against the target's HF config dict when given."""
+    """Cheap validation of a head folder (EAGLE-1 or EAGLE-3) before an engine
+    starts: config.json and the tensors' names and shapes (safetensors header;
+    ``.bin`` read on the meta device), against the target's HF config dict when
+    given (hidden size, vocabulary, and for EAGLE-3 the layer count)."""
     folder = Path(path)
     d = _read_config(folder)
     wfile = _weights_file(folder)
@@ -494,35 +576,36 @@ def check_head_folder(path: str | os.PathLike, target_config: Mapping[str, Any] 
         shapes = {k: s for k, (s, _) in _safetensors_header(wfile).items()}
     else:
         shapes = {k: tuple(v.shape) for k, v in _load_bin(wfile, meta=True).items()}
-    hidden, vocab = _target_sizes(target_config)
+    hidden, vocab, layers = _target_sizes(target_config)
+    if is_eagle3(d, shapes):
+        from .head3 import validate_eagle3
+
+        validate_eagle3(folder, wfile, d, shapes, hidden, vocab, layers)
+        return
     _validate(folder, wfile, d, shapes, hidden, vocab)
 
 
 def load_head(path: str | os.PathLike, *, hidden_size: int | None = None,
-              vocab_size: int | None = None, dtype: torch.dtype = torch.float32
-              ) -> tuple[EagleHead, EagleHeadConfig]:
-    """Load and validate an EAGLE-1 head folder; raises ``SpecPlugConfigError``
-    naming the file and the fix. ``embed_tokens.weight`` / ``lm_head.weight``
+              vocab_size: int | None = None, dtype: torch.dtype = torch.float32,
+              num_target_layers: int | None = None) -> tuple[HeadBase, EagleHeadConfig]:
+    """Load and validate a head folder: ``(EagleHead, EagleHeadConfig)`` for
+    EAGLE-1, ``(Eagle3Head, Eagle3HeadConfig)`` for EAGLE-3 (``head.kind``
+    tells them apart; ``num_target_layers`` gives the EAGLE-3 head its aux
+    layers when config.json names none). Raises ``SpecPlugConfigError`` naming
+    the file and the fix. EAGLE-1: ``embed_tokens.weight`` / ``lm_head.weight``
     in the file are ignored (the head uses the target's; note that vLLM uses
     the file's copies when they differ from the target's)."""
     folder = Path(path)
     d = _read_config(folder)
     wfile = _weights_file(folder)
-    if wfile.suffix == ".safetensors":
-        header = _safetensors_header(wfile)
-        unknown_dtype = [k for k, (_, dt) in header.items() if dt not in _ST_DTYPES]
-        if unknown_dtype:
-            raise SpecPlugConfigError(f"{wfile}: unsupported dtype for {unknown_dtype[0]!r}")
-        from safetensors.torch import load_file
-
-        try:
-            tensors = load_file(str(wfile))
-        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
-            raise SpecPlugConfigError(f"{wfile}: cannot read ({e}); re-save the head with "
-                                      f"save_head") from None
-    else:
-        tensors = _load_bin(wfile)
+    tensors = _read_tensors(wfile)
     shapes = {k: tuple(v.shape) for k, v in tensors.items()}
+    if is_eagle3(d, shapes):
+        from .head3 import load_eagle3
+
+        return load_eagle3(folder, wfile, d, tensors, hidden_size=hidden_size,
+                           vocab_size=vocab_size, num_target_layers=num_target_layers,
+                           dtype=dtype)
     cfg = _validate(folder, wfile, d, shapes, hidden_size, vocab_size)
     bad = [k for k in cfg.expected_shapes() if not tensors[k].is_floating_point()]
     if bad:
@@ -535,10 +618,11 @@ def load_head(path: str | os.PathLike, *, hidden_size: int | None = None,
     return head.to(dtype).eval(), cfg
 
 
-def save_head(head: EagleHead, config: EagleHeadConfig, path: str | os.PathLike,
+def save_head(head: HeadBase, config: EagleHeadConfig, path: str | os.PathLike,
               *, extra_config: Mapping[str, Any] | None = None) -> None:
-    """Write ``config.json`` and ``model.safetensors`` (float32 unless the head
-    is in another floating dtype) into ``path`` (created)."""
+    """Write ``config.json`` (``config.to_hf_dict()``) and ``model.safetensors``
+    (the head's ``state_dict()``, float32 unless the head is in another
+    floating dtype) into ``path`` (created)."""
     from safetensors.torch import save_file
 
     folder = Path(path)
@@ -549,7 +633,7 @@ def save_head(head: EagleHead, config: EagleHeadConfig, path: str | os.PathLike,
         raise ValueError(f"head state keys {sorted(state)} do not match the config's "
                          f"{sorted(expected)}")
     cfg = config.to_hf_dict()
-    dtypes = {v.dtype for v in state.values()}
+    dtypes = {v.dtype for v in state.values() if v.is_floating_point()}
     if len(dtypes) == 1:
         cfg["torch_dtype"] = str(next(iter(dtypes))).removeprefix("torch.")
     if extra_config:
@@ -564,5 +648,5 @@ def head_param_count(cfg: EagleHeadConfig) -> int:
     return sum(math.prod(s) for s in cfg.expected_shapes().values())
 
 
-__all__ = ["EagleHead", "EagleHeadConfig", "RMSNorm", "check_head_folder", "head_param_count",
-           "load_head", "save_head", "rotate_half"]
+__all__ = ["EagleHead", "EagleHeadConfig", "HeadBase", "RMSNorm", "check_head_folder",
+           "head_param_count", "is_eagle3", "load_head", "save_head", "rotate_half"]
