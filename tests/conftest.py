@@ -3,6 +3,8 @@ shared by every test of the session."""
 from __future__ import annotations
 
 import os
+import sys
+import time
 
 import pytest
 
@@ -21,8 +23,10 @@ def model_path() -> str:
 
 
 # At most this many engines stay alive (each holds ~3 GB here); the least
-# recently used one is shut down to make room.
-MAX_LIVE_ENGINES = 2
+# recently used one is shut down to make room, except the plain engine:
+# most test modules compare against it, and each restart costs ~40 s.
+MAX_LIVE_ENGINES = 3
+PINNED_ENGINES = ("plain",)
 
 
 def _shutdown(llm) -> None:
@@ -42,16 +46,30 @@ def get_llm(model_path):
             _ENGINES[name] = _ENGINES.pop(name)  # most recently used last
             return _ENGINES[name]
         while len(_ENGINES) >= MAX_LIVE_ENGINES:
-            _shutdown(_ENGINES.pop(next(iter(_ENGINES))))
+            victim = next((k for k in _ENGINES if k not in PINNED_ENGINES), None)
+            if victim is None:
+                break
+            _shutdown(_ENGINES.pop(victim))
         overrides.setdefault("max_model_len", 2048)
         model = overrides.pop("model", model_path)
+        t0 = time.time()
         _ENGINES[name] = build_llm(model, speculative_config, **overrides)
+        print(f"\n[engine {name!r} started in {time.time() - t0:.0f} s]", file=sys.stderr)
         return _ENGINES[name]
 
     yield get
     for llm in _ENGINES.values():
         _shutdown(llm)
     _ENGINES.clear()
+
+
+@pytest.fixture(scope="session")
+def plain_samples(get_llm):
+    """Plain sampling's first three tokens (test_engine_tree._first_three),
+    shared by every sampling-distribution test of the session."""
+    from test_engine_tree import _first_three
+
+    return _first_three(get_llm("plain"))
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,13 @@ def chat(llm, prompts: list[str], max_tokens: int, temperature: float = 0.0, **k
     return llm.chat(msgs, sp, use_tqdm=False)
 
 
+def assert_same_tokens(ref, outs) -> None:
+    """Each output's token ids equal the reference's (plain decoding's)."""
+    assert len(ref) == len(outs)
+    for i, (a, b) in enumerate(zip(ref, outs)):
+        assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids), i
+
+
 def tau_of(llm, run) -> tuple[float, dict, list]:
     """Run ``run()`` (returning vLLM outputs) and measure tau from the spec counters."""
     from vllm_specplug.bench.engine import counter_delta, read_spec_counters

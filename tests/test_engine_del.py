@@ -99,7 +99,7 @@ def test_del_drafts_equal_truncated_transformers_forward(del_run, model_path):
 @pytest.mark.skipif(os.environ.get("SPECPLUG_SLOW_TESTS") != "1",
                     reason="15 minutes on 2 cores (DEL drafts request by request); "
                            "run with SPECPLUG_SLOW_TESTS=1")
-def test_del_sampling_matches_plain_sampling(get_llm):
+def test_del_sampling_matches_plain_sampling(get_llm, plain_samples):
     """At temperature 0.8 (top-k 6) DEL's chains, verified by vLLM's rejection
     sampler, leave the first three tokens distributed as plain sampling's
     (the chi-square tolerance of test_engine_tree). A deep fixed exit layer
@@ -110,7 +110,7 @@ def test_del_sampling_matches_plain_sampling(get_llm):
 
     from vllm_specplug.bench.engine import counter_delta, read_spec_counters
 
-    plain = _first_three(get_llm("plain"))
+    plain = plain_samples
     llm = get_llm("del_sampling", {"method": "del", "num_speculative_tokens": 2,
                                    "del_exit_layer": 24, "del_confidence": 0.0,
                                    "batch_budget": "off"})

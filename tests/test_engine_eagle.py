@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from helpers import chat, pick
+from helpers import assert_same_tokens, chat, pick
 
 pytestmark = pytest.mark.engine
 
@@ -50,8 +50,7 @@ def test_eagle2_random_head_greedy_is_identical(get_llm, spec_bench_prompts, eag
     ref = chat(get_llm("plain"), prompts, max_tokens=MAX_TOKENS)
     llm = get_llm("eagle2_random", _random_config(eagle_random_head))
     outs = chat(llm, prompts, max_tokens=MAX_TOKENS)
-    for i, (a, b) in enumerate(zip(ref, outs)):
-        assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids), i
+    assert_same_tokens(ref, outs)
     s = _eagle_stats(llm)
     assert s["errors"] == 0, s
     assert s["tree"]["tree_steps"] > 0, s
@@ -66,10 +65,8 @@ def test_eagle2_trained_head_greedy_is_identical_and_accepts(get_llm, spec_bench
     # one by one (bs=1) and all at once (a mixed batch)
     single = [chat(llm, [p], max_tokens=MAX_TOKENS)[0] for p in prompts[:2]]
     batch = chat(llm, prompts, max_tokens=MAX_TOKENS)
-    for i, (a, b) in enumerate(zip(ref, batch)):
-        assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids), i
-    for i, (a, b) in enumerate(zip(ref, single)):
-        assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids), i
+    assert_same_tokens(ref, batch)
+    assert_same_tokens(ref[:len(single)], single)
     s = _eagle_stats(llm)
     assert s["errors"] == 0, s
     assert s["tree"]["tree_accepted"] > 0.1 * s["tree"]["tree_steps"], s
@@ -84,6 +81,7 @@ def test_eagle2_features_match_transformers(get_llm, model_path, spec_bench_prom
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
 
+    from vllm_specplug.eagle.draft_vocab import choose_draft_vocab
     from vllm_specplug.eagle.head import load_head
 
     llm = get_llm("eagle2_trained", _trained_config(eagle_trained_head))
@@ -95,6 +93,10 @@ def test_eagle2_features_match_transformers(get_llm, model_path, spec_bench_prom
     target = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32).eval()
     head, _ = load_head(eagle_trained_head)
     emb = target.get_input_embeddings().weight
+    # the trainer wrote the head's draft vocabulary (the engine drafts over it)
+    allowed = choose_draft_vocab(eagle_trained_head, 0, emb.shape[0])
+    assert allowed is not None and 0 < allowed.size < emb.shape[0]
+    allowed = torch.as_tensor(allowed)
     checked = 0
     for rec in recent[:: max(1, len(recent) // 6)]:
         ctx = rec["context"]
@@ -106,8 +108,10 @@ def test_eagle2_features_match_transformers(get_llm, model_path, spec_bench_prom
             p = torch.tensor(pos)
             nxt = torch.tensor([ctx[i + 1] for i in pos])
             hidden, _, _ = head(F.embedding(nxt, emb), feats[p], p)
-            lp = torch.log_softmax(hidden[-1] @ emb.T, dim=-1)
+            lp = torch.full((emb.shape[0],), -torch.inf)
+            lp[allowed] = torch.log_softmax(hidden[-1] @ emb[allowed].T, dim=-1)
         top = torch.topk(lp, len(rec["ids"]))
+        assert set(rec["ids"]) <= set(allowed.tolist()), rec
         assert rec["ids"][0] == int(top.indices[0]) or \
             float(top.values[0] - lp[rec["ids"][0]]) < 1e-3, rec
         np.testing.assert_allclose(rec["logprobs"], top.values.numpy(), atol=2e-3)
@@ -123,15 +127,14 @@ def test_sam_eagle2_greedy_is_identical(get_llm, spec_bench_prompts, eagle_train
                                  "num_speculative_tokens": 8, "depth": 3, "topk": 4,
                                  "sam_eagle2_threshold": 3})
     outs = [chat(llm, [p], max_tokens=MAX_TOKENS)[0] for p in prompts]
-    for i, (a, b) in enumerate(zip(ref, outs)):
-        assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids), i
+    assert_same_tokens(ref, outs)
     s = _eagle_stats(llm)
     assert s["errors"] == 0, s
     p = s["proposer"]
     assert p["sam_steps"] > 0 and p["eagle2_steps"] + p["none_steps"] > 0, p
 
 
-def test_eagle2_sampling_matches_plain_sampling(get_llm, eagle_trained_head):
+def test_eagle2_sampling_matches_plain_sampling(get_llm, eagle_trained_head, plain_samples):
     """Temperature 0.8, top-k 6: the first three tokens under EAGLE-2 trees
     (lossless multi-branch rejection sampling) are distributed as plain
     sampling's (the chi-square tolerance of test_engine_tree; 600 EAGLE-2
@@ -141,7 +144,7 @@ def test_eagle2_sampling_matches_plain_sampling(get_llm, eagle_trained_head):
     from test_engine_tree import _chi2_same_distribution, _first_three
 
     n = 600
-    plain = _first_three(get_llm("plain"))
+    plain = plain_samples
     llm = get_llm("eagle2_trained", _trained_config(eagle_trained_head))
     before = _eagle_stats(llm)["tree"]
     samples = _first_three(llm, n)

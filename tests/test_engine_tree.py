@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from helpers import chat, pick
+from helpers import assert_same_tokens, chat, pick
 
 pytestmark = pytest.mark.engine
 
@@ -98,11 +98,6 @@ def _chi2_same_distribution(a, b) -> float:
     pooled = np.concatenate([table[:, keep], table[:, ~keep].sum(1, keepdims=True)], axis=1)
     pooled = pooled[:, pooled.sum(0) > 0]
     return float(chi2_contingency(pooled)[1])
-
-
-@pytest.fixture(scope="module")
-def plain_samples(get_llm):
-    return _first_three(get_llm("plain"))
 
 
 def test_tree_sampling_matches_plain_sampling(get_llm, plain_samples):
@@ -201,8 +196,7 @@ def test_token_recycling_greedy_is_identical_in_a_mixed_batch(get_llm, spec_benc
     llm = get_llm("tr_paper", {"method": "token_recycling", "num_speculative_tokens": 24,
                                "tr_template": "paper", "batch_budget": "off"})
     tau, delta, outs = tau_of(llm, lambda: chat(llm, prompts, max_tokens=MAX_TOKENS))
-    for i, (a, b) in enumerate(zip(ref, outs)):
-        assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids), i
+    assert_same_tokens(ref, outs)
     s = _tr_stats(llm)
     p = s["proposer"]
     assert s["errors"] == 0 and p["topk_misaligned"] == 0, s
@@ -255,8 +249,7 @@ def test_sam_tr_greedy_is_identical_and_uses_both_branches(get_llm, spec_bench_p
     llm = get_llm("sam_tr_k8", {"method": "sam_tr", "num_speculative_tokens": 8,
                                 "sam_tr_threshold": 3})
     outs = [chat(llm, [p], max_tokens=MAX_TOKENS)[0] for p in prompts]
-    for i, (a, b) in enumerate(zip(ref, outs)):
-        assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids), i
+    assert_same_tokens(ref, outs)
     s = _tr_stats(llm)
     p = s["proposer"]
     assert s["errors"] == 0, s

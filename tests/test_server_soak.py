@@ -38,7 +38,7 @@ pytestmark = pytest.mark.server
 
 SPEC = {"method": "sam_tr", "num_speculative_tokens": "auto"}
 CONCURRENCY = 32
-MIXED_REQUESTS = 64
+MIXED_REQUESTS = 48  # all 32 clients busy at once; CI time is tight
 MIXED_DEADLINE_S = 180
 # long prompts (summarization, RAG, extraction) cut to this many characters:
 # prefill runs at ~300 tokens/s on the 2-core CI machine

@@ -22,9 +22,11 @@ COMPARE_PROMPTS = ["What is the capital of France?", "Write a haiku about the se
                    "List three uses of a paper clip."]
 
 
-def capture_vllm_drafts(head_dir: str, out_json: str, prompts_json: str) -> None:
+def capture_vllm_drafts(head_dir: str, out_json: str, prompts_json: str,
+                        method: str = "eagle") -> None:
     """For each prompt (one request at a time): the prompt ids, the first
-    sampled token and vLLM's first chain draft."""
+    sampled token and vLLM's first chain draft (``method``: vLLM's ``eagle``
+    or ``eagle3``)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from transformers import AutoTokenizer
@@ -46,7 +48,7 @@ def capture_vllm_drafts(head_dir: str, out_json: str, prompts_json: str) -> None
     tok = AutoTokenizer.from_pretrained(model)
     llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=512, seed=0,
               distributed_executor_backend="uni",
-              speculative_config={"method": "eagle", "model": head_dir,
+              speculative_config={"method": method, "model": head_dir,
                                   "num_speculative_tokens": NUM_DRAFT})
     rows = []
     for p in json.loads(Path(prompts_json).read_text()):
@@ -62,7 +64,7 @@ def capture_vllm_drafts(head_dir: str, out_json: str, prompts_json: str) -> None
 
 
 if __name__ == "__main__":
-    capture_vllm_drafts(*sys.argv[1:4])
+    capture_vllm_drafts(*sys.argv[1:5])
     sys.exit(0)
 
 import pytest  # noqa: E402

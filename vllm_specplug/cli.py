@@ -56,7 +56,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                         temperature=args.temperature, out_dir=Path(args.out),
                         overrides=_parse_overrides(args.speculative_config),
                         repeat=args.repeat, batch=args.batch, quality=args.quality,
-                        eagle_head=args.eagle_head)
+                        eagle_head=args.eagle_head, reuse_raw=args.reuse_raw)
     except BenchError as e:
         raise SystemExit(f"bench: {e}")
     md = report.write(res, Path(args.out), with_plots=not args.no_plots)
@@ -306,6 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--eagle-head", default=None, metavar="DIR",
                         help="EAGLE head folder for eagle, eagle2 and sam_eagle2 "
                              "(from `specplug train-eagle`)")
+        sp.add_argument("--reuse-raw", action="store_true",
+                        help="methods whose raw results are already in OUT/raw (an "
+                             "interrupted run with the same settings) are read back, not rerun")
         sp.add_argument("--quality", action=argparse.BooleanOptionalAction, default=None,
                         help="score outputs by the target's mean log-likelihood (default: "
                              "when --temperature > 0)")

@@ -58,11 +58,15 @@ def markdown(res: dict) -> str:
     if hybrid:
         lines += ["", "Hybrid drafter branches (steps drafted by each branch and its tau "
                   "over those steps)", "",
-                  "| method | SAM chain steps | SAM tau | TR tree steps | TR tau | "
-                  "undrafted steps |", "|---|---|---|---|---|---|"]
+                  "| method | SAM chain steps | SAM tau | tree branch | tree steps | tree tau | "
+                  "undrafted steps |", "|---|---|---|---|---|---|---|"]
         for m, h in hybrid.items():
-            lines.append(f"| {m} | {h['sam_steps']} | {_f(h.get('sam_tau'))} | "
-                         f"{h['tr_steps']} | {_f(h.get('tr_tau'))} | {h['none_steps']} |")
+            # the tree branch's counters: tr_* (sam_tr), eagle2_* (sam_eagle2)
+            b = next((k[: -len("_steps")] for k in h
+                      if k.endswith("_steps") and k not in ("sam_steps", "none_steps")), None)
+            lines.append(f"| {m} | {h['sam_steps']} | {_f(h.get('sam_tau'))} | {b or '-'} | "
+                         f"{h.get(f'{b}_steps', '-')} | {_f(h.get(f'{b}_tau'))} | "
+                         f"{h['none_steps']} |")
     if any("batch" in e for e in res["methods"].values()):
         lines += ["", "All prompts in one batch", "",
                   "| method | tau | tokens/s | speedup | outputs differing |", "|---|---|---|---|---|"]

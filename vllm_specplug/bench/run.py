@@ -127,14 +127,17 @@ def run_bench(model: str, methods: list[str], prompts: list[dict], *, max_tokens
               temperature: float, out_dir: Path, overrides: dict[str, dict] | None = None,
               repeat: int = 1, batch: bool = False, engine: dict | None = None,
               progress: bool = True, quality: bool | None = None,
-              eagle_head: str | None = None) -> dict:
+              eagle_head: str | None = None, reuse_raw: bool = False) -> dict:
     """``quality`` (default: when sampling) adds each method's mean
-    log-likelihood of its outputs under the target (``bench.quality``)."""
+    log-likelihood of its outputs under the target (``bench.quality``).
+    ``reuse_raw``: a method whose raw file is already in ``out_dir/raw`` (an
+    interrupted run with the same settings) is read back, not run again."""
     from tqdm import tqdm
 
     out_dir.mkdir(parents=True, exist_ok=True)
     log_path = out_dir / "engine.log"
-    log_path.write_text("")
+    if not (reuse_raw and log_path.exists()):
+        log_path.write_text("")
     (out_dir / "raw").mkdir(exist_ok=True)
     methods = ["plain"] + [m for m in methods if m != "plain"]
     notes = []
@@ -152,8 +155,12 @@ def run_bench(model: str, methods: list[str], prompts: list[dict], *, max_tokens
         cfg = {"method_name": m, "model": model, "speculative_config": configs[m],
                "prompts": prompts, "max_tokens": max_tokens, "temperature": temperature,
                "repeat": repeat, "batch": batch, "engine": engine or {}}
-        raw[m] = run_worker(cfg, log_path, out_dir / "raw" / f"{m}.json",
-                            on_progress=bar.update)
+        raw_path = out_dir / "raw" / f"{m}.json"
+        if reuse_raw and raw_path.exists():
+            raw[m] = json.loads(raw_path.read_text())
+            bar.update(per_method_steps)
+            continue
+        raw[m] = run_worker(cfg, log_path, raw_path, on_progress=bar.update)
     bar.close()
     res = analyse(model, methods, configs, prompts, raw, notes, max_tokens=max_tokens,
                   temperature=temperature, repeat=repeat, batch=batch)

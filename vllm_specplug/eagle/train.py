@@ -552,5 +552,12 @@ def run(args: TrainArgs) -> dict:
     report["train"] = train_head(model, store, out, args)
     report["train"]["wall_s"] = round(time.time() - t, 1)
     report["head"] = str((out / HEAD_DIR).resolve())
+    # token frequencies of the target's answers: the head's draft vocabulary
+    from .draft_vocab import count_tokens, load_draft_vocab, write_draft_vocab
+
+    vocab = int(model.config.vocab_size)
+    write_draft_vocab(out / HEAD_DIR, count_tokens((r["output_ids"] for r in rows), vocab),
+                      f"target answers to {len(rows)} training prompts")
+    report["draft_vocab_tokens"] = int(len(load_draft_vocab(out / HEAD_DIR, vocab)))
     _write_json(out / REPORT_FILE, report)
     return report

@@ -340,6 +340,18 @@ def _run_head_checker(path: str, target_config: dict | None, method: str) -> boo
     return True
 
 
+def check_draft_vocab(options: dict, method: str) -> None:
+    """``draft_vocab`` against the head folder (its ``draft_vocab.json`` is
+    read and validated before the engine starts)."""
+    from ..eagle.draft_vocab import DraftVocabError, choose_draft_vocab
+
+    try:
+        choose_draft_vocab(options["model"], int(options.get("draft_vocab", 0)), None)
+    except DraftVocabError as e:
+        raise SpecPlugConfigError(
+            f"speculative_config['draft_vocab'] for method {method!r}: {e}") from None
+
+
 def check_head_against_model(path: str, model: str, method: str) -> None:
     """The head must fit the target (hidden size, vocabulary: from the
     target's ``config.json``; skipped when the model is not a local folder)."""
@@ -391,20 +403,28 @@ class Eagle2Proposer(Proposer):
         Option("topk", int, 10,
                "children per expanded node and frontier width of the draft tree",
                minimum=1, maximum=32),
+        Option("draft_vocab", int, 0,
+               "tokens the head drafts over (its LM head is restricted to them, as in "
+               "FR-Spec; verification is unchanged, so output is too): 0 = the head folder's "
+               "draft_vocab.json when present (the tokens the target produced on the "
+               "training prompts), else the whole vocabulary; N > 0 = that file's N most "
+               "frequent tokens; -1 = the whole vocabulary", minimum=-1),
     )
 
     @classmethod
     def check_options(cls, num_speculative_tokens: int, options: dict) -> None:
         options["model"] = check_head_path(options.get("model", ""), cls.name)
+        check_draft_vocab(options, cls.name)
 
     @classmethod
     def check_model(cls, options: dict, tokenizer: str) -> None:
         check_head_against_model(options["model"], tokenizer, cls.name)
 
     def __init__(self, num_speculative_tokens: int, model: str = "", depth: int = 6,
-                 topk: int = 10, auto_budget: bool = False) -> None:
+                 topk: int = 10, auto_budget: bool = False, draft_vocab: int = 0) -> None:
         self.k = int(num_speculative_tokens)
         self.model = model
+        self.draft_vocab = int(draft_vocab)  # read by the adapter's head runner
         self.depth = int(depth)
         self.topk = int(topk)
         self.auto_budget = bool(auto_budget)

@@ -29,7 +29,7 @@ from ..options import Option
 from ..tree.structure import merge_drafts
 from .base import Draft, Proposer, TargetTopK
 from .eagle2 import (Eagle2Proposer, EagleDraftHook, check_head_against_model,
-                     check_head_path, path_length)
+                     check_draft_vocab, check_head_path, path_length)
 from .sam import SamProposer
 from .token_recycling import TokenRecyclingProposer
 
@@ -238,6 +238,7 @@ class SamEagle2Proposer(SamHybridProposer):
     def check_options(cls, num_speculative_tokens: int, options: dict) -> None:
         SamProposer.check_options(num_speculative_tokens, _pick(options, SamProposer))
         options["model"] = check_head_path(options.get("model", ""), cls.name)
+        check_draft_vocab(options, cls.name)
 
     @classmethod
     def check_model(cls, options: dict, tokenizer: str) -> None:

@@ -44,6 +44,14 @@ REQUEST_REMOVED_PATCH = Patch(
     why="free a request's proposer state as soon as it finishes or is aborted "
         "(preempted requests are freed when they leave the batch)")
 
+AUX_HIDDEN_PATCH = Patch(
+    name="GPUModelRunner._setup_eagle3_aux_hidden_state_outputs",
+    module="vllm.v1.worker.gpu_model_runner", cls="GPUModelRunner",
+    attr="_setup_eagle3_aux_hidden_state_outputs",
+    make=_lazy(".runner", "make_setup_aux_hidden_state_outputs"),
+    why="EAGLE-3 heads under eagle2: make the target return the auxiliary layers' "
+        "hidden states the head's fc fuses (vLLM does this only for its own eagle3)")
+
 TREE_PREPARE_PATCH = Patch(
     name="GPUModelRunner._prepare_inputs",
     module="vllm.v1.worker.gpu_model_runner", cls="GPUModelRunner", attr="_prepare_inputs",
@@ -74,8 +82,8 @@ TREE_ATTENTION_BACKEND = "vllm_specplug.vllm_adapter.tree_attention.TreeCPUAtten
 TREE_FLASH_ATTENTION_BACKEND = (
     "vllm_specplug.vllm_adapter.tree_attention_cuda.TreeFlashAttentionBackend")
 
-PATCHES = (ENGINE_ARGS_PATCH, RUNNER_PATCH, REQUEST_REMOVED_PATCH, SAMPLE_PATCH,
-           CPU_EXPAND_PATCH, TREE_PREPARE_PATCH)
+PATCHES = (ENGINE_ARGS_PATCH, RUNNER_PATCH, REQUEST_REMOVED_PATCH, AUX_HIDDEN_PATCH,
+           SAMPLE_PATCH, CPU_EXPAND_PATCH, TREE_PREPARE_PATCH)
 
 
 def install() -> None:
@@ -86,6 +94,7 @@ def install() -> None:
 def install_worker_patches() -> None:
     apply(RUNNER_PATCH)
     apply(REQUEST_REMOVED_PATCH)
+    apply(AUX_HIDDEN_PATCH)
     apply(SAMPLE_PATCH)
     from vllm.platforms import current_platform
 

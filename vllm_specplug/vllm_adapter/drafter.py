@@ -151,7 +151,8 @@ class SpecPlugDrafter:
             self.target_hook = hook
 
     def begin_step(self, req_ids: Sequence[str], scheduler_output: Any,
-                   hidden_states: Any = None, sampled_token_ids: Any = None) -> None:
+                   hidden_states: Any = None, sampled_token_ids: Any = None,
+                   aux_hidden_states: Any = None) -> None:
         """Called by the runner patch before vLLM asks for drafts: the batch's
         request ids by row and, for hooks that read them (eagle2), the
         target's hidden states of this step."""
@@ -159,8 +160,12 @@ class SpecPlugDrafter:
         collect = getattr(self.target_hook, "begin_step", None)
         if collect is not None and isinstance(sampled_token_ids, list):
             try:
-                collect(self.runner, hidden_states, sampled_token_ids, req_ids,
-                        scheduler_output)
+                if getattr(self.target_hook, "aux_layers", None):
+                    collect(self.runner, hidden_states, sampled_token_ids, req_ids,
+                            scheduler_output, aux_hidden_states=aux_hidden_states)
+                else:
+                    collect(self.runner, hidden_states, sampled_token_ids, req_ids,
+                            scheduler_output)
             except Exception:  # noqa: BLE001 - drafts get worse, output does not change
                 self.num_errors += 1
                 logger.exception("vllm_specplug: %s could not keep this step's target "

@@ -26,11 +26,19 @@ draft nodes (each with its parent's head output as its feature, position
 returns their top-k children. Draft nodes' keys and values live only until
 the next :meth:`root`.
 
-Embedding and LM head. The head shares the target's: plain local copies of
-the weights are used (gathered once across tensor-parallel ranks at load
-time), so the head runs on each rank without collectives: a rank can never
-hang waiting for another, and rank 0's drafts are adopted by every rank
-(``SpecPlugDrafter._agree_across_ranks``).
+Embedding and LM head. An EAGLE-1 head shares the target's: plain local
+copies of the weights are used (gathered once across tensor-parallel ranks
+at load time), so the head runs on each rank without collectives: a rank can
+never hang waiting for another, and rank 0's drafts are adopted by every
+rank (``SpecPlugDrafter._agree_across_ranks``). Its drafts are restricted to
+the head folder's draft vocabulary (``draft_vocab.json``, FR-Spec style):
+the LM head matmul over 49k tokens was most of a head call on CPU.
+
+EAGLE-3 heads (``eagle.head3``) fuse the target's residual stream at three
+auxiliary layers: the runner patch
+``GPUModelRunner._setup_eagle3_aux_hidden_state_outputs`` makes the target
+return them (``aux_layers``), ``begin_step`` fuses the kept rows, and the
+head's own norm and LM head give log-probs over its ``d2t`` draft vocabulary.
 """
 from __future__ import annotations
 
@@ -73,7 +81,7 @@ class _HeadState:
 
 
 class EagleRunner:
-    """Runs an EAGLE-1 head against a loaded vLLM target model."""
+    """Runs an EAGLE head (EAGLE-1 or EAGLE-3) against a loaded vLLM target model."""
 
     def __init__(self, drafter: Any, model: Any, head_path: str) -> None:
         from ..eagle.head import load_head
@@ -91,10 +99,19 @@ class EagleRunner:
         hf = getattr(config, "hf_text_config", None) or getattr(config, "hf_config", None)
         vocab = int(getattr(hf, "vocab_size", 0) or 0) or int(weight.shape[0])
         hidden = int(weight.shape[1])
+        layers = getattr(hf, "num_hidden_layers", None)
         self.head, self.config = load_head(head_path, hidden_size=hidden, vocab_size=vocab,
-                                           dtype=self.dtype)
+                                           dtype=self.dtype,
+                                           num_target_layers=int(layers) if layers else None)
         self.head.to(self.device).eval()
         self.vocab_size = vocab
+        #: "eagle1" (target's final hidden states, target's LM head) or "eagle3"
+        #: (fused auxiliary layers, the head's own norm/LM head over its
+        #: draft vocabulary)
+        self.kind = getattr(self.head, "kind", "eagle1")
+        #: target layers whose hidden states the head fuses (EAGLE-3), read
+        #: by the runner patch ``GPUModelRunner._setup_eagle3_aux_hidden_state_outputs``
+        self.aux_layers = tuple(self.head.needs_aux_layers) if self.kind == "eagle3" else None
         emb = _full_vocab(weight)
         lm = getattr(model, "lm_head", None)
         lm_weight = getattr(lm, "weight", None)
@@ -105,7 +122,23 @@ class EagleRunner:
                 f"{tuple(lm_weight.shape)}, expected [vocab, {hidden}] (quantized or repacked "
                 f"LM heads are not supported)")
         self.embed_weight = emb[:vocab]
+        own_embed = getattr(self.head, "embed_tokens", None)
+        if own_embed is not None:
+            self.embed_weight = own_embed.weight
         self.head_weight = self.embed_weight if tied else _full_vocab(lm_weight)[:vocab]
+        # the draft vocabulary (FR-Spec): the LM head restricted to frequent tokens
+        from ..eagle.draft_vocab import DraftVocabError, choose_draft_vocab
+
+        setting = int(drafter.plugin["options"].get("draft_vocab", 0) or 0) \
+            if hasattr(drafter, "plugin") else 0
+        try:
+            ids = None if self.kind == "eagle3" else choose_draft_vocab(head_path, setting,
+                                                                         vocab)
+        except DraftVocabError as e:
+            raise SpecPlugConfigError(f"speculative_config['draft_vocab']: {e}") from None
+        self.draft_ids = None if ids is None else torch.as_tensor(ids, device=self.device)
+        self.draft_weight = self.head_weight if ids is None else \
+            self.head_weight.index_select(0, self.draft_ids).contiguous()
         self.kvh = int(self.config.num_key_value_heads)
         self.hd = int(self.config.head_dim)
         self.drafter = drafter
@@ -129,8 +162,10 @@ class EagleRunner:
 
     # ------------------------------------------------------------- features
     def begin_step(self, runner: Any, hidden_states: torch.Tensor | None,
-                   sampled_token_ids: list, req_ids: list, scheduler_output: Any) -> None:
-        """Keep this step's features at committed positions, per request."""
+                   sampled_token_ids: list, req_ids: list, scheduler_output: Any,
+                   aux_hidden_states: Any = None) -> None:
+        """Keep this step's features at committed positions, per request
+        (EAGLE-3: the auxiliary layers' hidden states, fused by the head)."""
         from . import tree_runtime
 
         paths = tree_runtime.take_accepted_paths()
@@ -179,7 +214,15 @@ class EagleRunner:
         if not rows_all:
             return
         index = torch.as_tensor(rows_all, dtype=torch.long, device=hidden_states.device)
-        feats = hidden_states.index_select(0, index).to(self.device, self.dtype)
+        if self.kind == "eagle3":
+            if not aux_hidden_states:
+                raise RuntimeError("eagle2: the EAGLE-3 head needs the target's auxiliary "
+                                   "hidden states, but the runner passed none")
+            with torch.inference_mode():
+                aux = torch.cat([a.index_select(0, index) for a in aux_hidden_states], dim=-1)
+                feats = self.head.fuse(aux.to(self.device, self.dtype))
+        else:
+            feats = hidden_states.index_select(0, index).to(self.device, self.dtype)
         at = 0
         for state, next_tokens, pos in owners:
             m = len(pos)
@@ -329,9 +372,17 @@ class EagleRunner:
         self.counts["catch_up_rows"] += m
 
     def _topk(self, hidden: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
-        logits = F.linear(hidden, self.head_weight).float()
-        lp = torch.log_softmax(logits, dim=-1)
-        vals, ids = torch.topk(lp, min(k, lp.shape[-1]), dim=-1)
+        if self.kind == "eagle3":
+            lp = self.head.logits(hidden)  # log-probs over the target's vocabulary
+            vals, ids = torch.topk(lp, min(k, lp.shape[-1]), dim=-1)
+        else:
+            # over the draft vocabulary (the whole one when draft_ids is None);
+            # log-probs normalised over it
+            logits = F.linear(hidden, self.draft_weight).float()
+            lp = torch.log_softmax(logits, dim=-1)
+            vals, ids = torch.topk(lp, min(k, lp.shape[-1]), dim=-1)
+            if self.draft_ids is not None:
+                ids = self.draft_ids[ids]
         self.counts["head_calls"] += 1
         self.counts["head_rows"] += int(hidden.shape[0])
         return ids.cpu().numpy().astype(np.int32), vals.cpu().numpy().astype(np.float32)
