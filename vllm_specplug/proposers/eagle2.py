@@ -424,7 +424,7 @@ class Eagle2Proposer(Proposer):
                  topk: int = 10, auto_budget: bool = False, draft_vocab: int = 0) -> None:
         self.k = int(num_speculative_tokens)
         self.model = model
-        self.draft_vocab = int(draft_vocab)  # read by the adapter's head runner
+        del draft_vocab  # applied by the adapter's head runner (from the options)
         self.depth = int(depth)
         self.topk = int(topk)
         self.auto_budget = bool(auto_budget)

@@ -160,12 +160,8 @@ class SpecPlugDrafter:
         collect = getattr(self.target_hook, "begin_step", None)
         if collect is not None and isinstance(sampled_token_ids, list):
             try:
-                if getattr(self.target_hook, "aux_layers", None):
-                    collect(self.runner, hidden_states, sampled_token_ids, req_ids,
-                            scheduler_output, aux_hidden_states=aux_hidden_states)
-                else:
-                    collect(self.runner, hidden_states, sampled_token_ids, req_ids,
-                            scheduler_output)
+                collect(self.runner, hidden_states, sampled_token_ids, req_ids,
+                        scheduler_output, aux_hidden_states=aux_hidden_states)
             except Exception:  # noqa: BLE001 - drafts get worse, output does not change
                 self.num_errors += 1
                 logger.exception("vllm_specplug: %s could not keep this step's target "

@@ -129,8 +129,7 @@ class EagleRunner:
         # the draft vocabulary (FR-Spec): the LM head restricted to frequent tokens
         from ..eagle.draft_vocab import DraftVocabError, choose_draft_vocab
 
-        setting = int(drafter.plugin["options"].get("draft_vocab", 0) or 0) \
-            if hasattr(drafter, "plugin") else 0
+        setting = int(drafter.plugin["options"].get("draft_vocab", 0))
         try:
             ids = None if self.kind == "eagle3" else choose_draft_vocab(head_path, setting,
                                                                          vocab)
