@@ -148,13 +148,49 @@ def test_controller_passes_position_and_last_token():
 
 def test_controller_skips_when_no_layer_pays_and_still_probes():
     hook = FakeHook(_truth, good_from=99)  # no layer ever right
-    p = _bound(hook, del_probe_every=4, del_head_cost=8.0)
+    p = _bound(hook, del_probe_every=4, del_probe_max=4, del_head_cost=8.0)  # no back-off
     _run(p, hook, steps=40)
     s = p.debug_stats()
     assert s["skipped"] > 20, s
     assert s["probes"] >= 10
     # probes still sample every candidate layer
     assert set(s["layer_acceptance"]) == {str(c) for c in p.candidates}
+
+
+def _probe_steps(hook, candidates):
+    return [i for i, c in enumerate(hook.calls) if c[5] == tuple(candidates)]
+
+
+def test_probes_back_off_while_no_layer_pays_and_resume_when_one_does():
+    hook = FakeHook(_truth, good_from=99)  # no layer ever right
+    p = _bound(hook, del_probe_every=4, del_probe_max=32)
+    _run(p, hook, steps=200)
+    s = p.debug_stats()
+    # step 0 drafts (unseen layers look good), then every probe finds nothing:
+    # probes at steps 0, 4, 12, 28, 60, 92, 124, 156, 188 (fixed: 50 probes)
+    assert s["probes"] == len(hook.calls) == 9, s
+    assert s["probe_interval"] == 32 and s["accepted"] == 0
+    # the model changes: layers from 4 on predict the target's token now
+    hook.good_from = 4
+    hook.calls.clear()
+    skipped = s["skipped"]
+    _run(p, hook, req="r2", steps=120)
+    s = p.debug_stats()
+    # the new request starts backed off: no probe before its step 32 ...
+    assert s["skipped"] - skipped >= 32
+    assert hook.calls[0][5] == tuple(p.candidates)
+    # ... which sees the change: drafting resumes, the interval falls back to 4
+    assert s["probe_interval"] == 4, s
+    last = hook.calls[-10:]
+    assert all(c[3] == 4 and c[4] == 4 for c in last), last
+    assert s["accepted"] > 100, s
+
+
+def test_new_request_probes_first_when_the_engine_has_not_backed_off():
+    hook = FakeHook(_truth, good_from=99)
+    p = _bound(hook, del_probe_every=4, del_probe_max=32, del_head_cost=8.0)
+    p.start("a", [1, 2, 3])
+    assert p.plan("a", 4)[2]  # step 0 of a fresh engine is a probe
 
 
 def test_shadows_only_up_to_the_chosen_layer_between_probes():
@@ -205,6 +241,7 @@ def test_options_validated_before_the_engine():
                      ({"del_window": 0}, "del_window"),
                      ({"del_head_cost": -0.5}, "del_head_cost"),
                      ({"del_min_layer": 8, "del_max_layer": 4}, "del_min_layer"),
+                     ({"del_probe_every": 8, "del_probe_max": 4}, "del_probe_max"),
                      ({"del_layer": 3}, "del_layer")]:
         with pytest.raises(SpecPlugConfigError, match=key):
             translate({"method": "del", **bad})

@@ -31,7 +31,12 @@ per request and step:
   they are run only on every ``del_probe_every``-th step of a request (and on
   its first). Shallower ones cost only LM-head rows: all candidate rows go
   through the LM head in one matrix product (memory bound: nearly the price
-  of one row).
+  of one row). While no layer pays, a probe is pure exploration cost, so the
+  interval doubles after each probe that found nothing worth drafting, up to
+  ``del_probe_max`` steps, and falls back to ``del_probe_every`` as soon as a
+  layer pays. The interval is shared: a new request starts from the one the
+  engine last reached (so on a model where early exit never pays, new
+  requests do not each probe from scratch).
 
 A fixed ``del_exit_layer`` (> 0) turns all of this off: every step drafts
 ``num_speculative_tokens`` tokens from that layer (cut by ``del_confidence``
@@ -147,12 +152,16 @@ def candidate_layers(num_layers: int, min_layer: int, max_layer: int, step: int)
 
 
 class _Request:
-    __slots__ = ("n", "last", "steps", "window", "pending")
+    __slots__ = ("n", "last", "steps", "window", "pending", "interval", "next_probe")
 
-    def __init__(self, token_ids: Sequence[int], window: int) -> None:
+    def __init__(self, token_ids: Sequence[int], window: int, interval: int,
+                 first_probe: int) -> None:
         self.n = len(token_ids)
         self.last = int(token_ids[-1]) if token_ids else -1
         self.steps = 0
+        # probe schedule: steps between probes, and the step of the next one
+        self.interval = interval
+        self.next_probe = first_probe
         self.window: dict[int, deque] = {}
         # (exit layer, draft tokens, shadows) of the last draft proposed
         self.pending: tuple[int, list[int], dict[int, int]] | None = None
@@ -193,6 +202,10 @@ class DelProposer(Proposer):
         Option("del_probe_every", int, 4,
                "run the candidate layers deeper than the chosen one (shadow tokens) on "
                "every this-many-th step of a request", minimum=1, maximum=100000),
+        Option("del_probe_max", int, 64,
+               "while no exit layer pays, the probe interval doubles after each probe, up "
+               "to this many steps (del_probe_every: never back off)", minimum=1,
+               maximum=100000),
     )
 
     @classmethod
@@ -203,6 +216,11 @@ class DelProposer(Proposer):
                 f"speculative_config['del_min_layer'] ({lo}) must be <= "
                 f"speculative_config['del_max_layer'] ({hi}); 0 for del_max_layer means "
                 f"half the model's layers")
+        every, most = options.get("del_probe_every", 4), options.get("del_probe_max", 64)
+        if most < every:
+            raise SpecPlugConfigError(
+                f"speculative_config['del_probe_max'] ({most}) must be >= "
+                f"speculative_config['del_probe_every'] ({every})")
         if options.get("del_head_cost", -1.0) < 0 and options.get("del_head_cost", -1.0) != -1:
             raise SpecPlugConfigError(
                 "speculative_config['del_head_cost'] must be >= 0, or -1 (from the model's "
@@ -225,7 +243,8 @@ class DelProposer(Proposer):
     def __init__(self, num_speculative_tokens: int, del_exit_layer: int = 0,
                  del_min_layer: int = 2, del_max_layer: int = 0, del_layer_step: int = 2,
                  del_window: int = 32, del_confidence: float = 0.3,
-                 del_head_cost: float = -1.0, del_probe_every: int = 4) -> None:
+                 del_head_cost: float = -1.0, del_probe_every: int = 4,
+                 del_probe_max: int = 64) -> None:
         self.k = int(num_speculative_tokens)
         self.exit_layer = int(del_exit_layer)
         self.min_layer = int(del_min_layer)
@@ -235,6 +254,9 @@ class DelProposer(Proposer):
         self.threshold = float(del_confidence)
         self.head_cost_option = float(del_head_cost)
         self.probe_every = int(del_probe_every)
+        self.probe_max = max(int(del_probe_max), self.probe_every)
+        # the probe interval the engine last reached (new requests start there)
+        self._shared_interval = self.probe_every
         self.hook: ExitDraftHook | None = None
         self.num_layers = 0
         self.head_cost = 0.0
@@ -286,7 +308,10 @@ class DelProposer(Proposer):
 
     # ------------------------------------------------------------------ life cycle
     def start(self, req_id: str, token_ids: Sequence[int]) -> None:
-        self._requests[req_id] = _Request(token_ids, self.window)
+        interval = self._shared_interval
+        # backed off: the engine learned nothing pays, so skip the first probe too
+        first = 0 if interval <= self.probe_every else interval
+        self._requests[req_id] = _Request(token_ids, self.window, interval, first)
 
     def observe(self, req_id: str, committed_ids: Sequence[int],
                 target_topk: TargetTopK | None = None) -> None:
@@ -320,8 +345,14 @@ class DelProposer(Proposer):
         k = min(budget, self.k)
         if self.exit_layer:
             return self.exit_layer, k, False
-        probe = req.steps % self.probe_every == 0
+        probe = req.steps >= req.next_probe
         layer, d, _ = choose_exit(self.rates(req), self.num_layers, k, self.head_cost)
+        if probe:
+            # back off while nothing pays; probe at the base rate once something does
+            req.interval = (self.probe_every if d else
+                            min(2 * req.interval, self.probe_max))
+            req.next_probe = req.steps + req.interval
+            self._shared_interval = req.interval
         if d == 0 and probe:
             # nothing pays: probe with one token from the best-looking layer
             rates = self.rates(req)
@@ -391,7 +422,8 @@ class DelProposer(Proposer):
             "layer_acceptance": {str(c): round(g[0] / g[1], 4)
                                  for c, g in sorted(self._global.items()) if g[1] > 0},
             "num_layers": self.num_layers, "head_cost": round(self.head_cost, 3),
-            "candidates": list(self.candidates), **self.counts,
+            "candidates": list(self.candidates), "probe_interval": self._shared_interval,
+            **self.counts,
             "model": (self.hook.stats() if hasattr(self.hook, "stats") else {}),
         }
 
