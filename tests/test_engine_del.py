@@ -16,7 +16,7 @@ from helpers import chat, pick, tau_of
 pytestmark = pytest.mark.engine
 
 MAX_TOKENS = 40
-DEL = {"method": "del", "num_speculative_tokens": 4, "del_probe_every": 2}
+DEL = {"method": "del", "num_speculative_tokens": 4, "del_probe_every": 2, "del_probe_max": 2}
 CATEGORIES = ["writing", "coding", "math", "summarization", "rag", "translation"]
 
 

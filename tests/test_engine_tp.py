@@ -56,6 +56,11 @@ def tp_llm(get_llm, name, spec):
 @pytest.mark.parametrize("name,spec", [
     ("tp2_sam", {"method": "sam", "num_speculative_tokens": 8}),
     ("tp2_token_recycling", {"method": "token_recycling"}),
+    # DEL runs the target's own first layers while drafting, so every rank
+    # must draft in lockstep (the layers all-reduce): probe every step so
+    # that each step runs shadow passes too
+    ("tp2_del", {"method": "del", "num_speculative_tokens": 3, "del_probe_every": 1,
+                 "del_probe_max": 1}),
 ])
 def test_tp2_greedy_matches_plain_tp1_and_ranks_agree(get_llm, prompts, reference, name, spec):
     llm = tp_llm(get_llm, name, spec)
@@ -75,6 +80,43 @@ def test_tp2_greedy_matches_plain_tp1_and_ranks_agree(get_llm, prompts, referenc
         assert crc[0] == crc[1], crc
         assert ranks[0]["proposer"]["topk_misaligned"] == 0
         assert ranks[0]["proposer"]["matrix_rows"] > 0
+
+
+# -------------------------------------------- EAGLE-2 trees, acceptance rules
+def test_tp2_eagle2_with_block_acceptance_greedy_and_sampled(get_llm, prompts, reference,
+                                                            eagle_trained_head):
+    """EAGLE-2 trees (the head runs on each rank from that rank's copy of the
+    target's features) verified by block verification: greedy output is
+    identical to plain decoding at TP=1; sampled (temperature 0.8, seeded),
+    both ranks take the same acceptance decisions at every step (same
+    accepted counts and compactions; a disagreement would leave the ranks'
+    KV caches different)."""
+    from vllm import SamplingParams
+
+    spec = {"method": "eagle2", "model": eagle_trained_head, "num_speculative_tokens": 8,
+            "depth": 4, "topk": 4, "batch_budget": "off", "acceptance": "block"}
+    llm = tp_llm(get_llm, "tp2_eagle2_block", spec)
+    outs = chat(llm, prompts, max_tokens=MAX_TOKENS)
+    for a, b in zip(reference, outs):
+        assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids)
+    before = [s["tree"] for s in sorted(llm.llm_engine.collective_rpc(_stats_with_rank),
+                                        key=lambda s: s["rank"])]
+    sp = [SamplingParams(temperature=0.8, top_p=0.95, seed=i, max_tokens=MAX_TOKENS)
+          for i in range(len(prompts))]
+    sampled = llm.chat([[{"role": "user", "content": p}] for p in prompts], sp,
+                       use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) > 0 for o in sampled)
+    ranks = sorted(llm.llm_engine.collective_rpc(_stats_with_rank), key=lambda s: s["rank"])
+    for s in ranks:
+        assert s["errors"] == 0, s
+    t0, t1 = ranks[0]["tree"], ranks[1]["tree"]
+    assert t0 == t1, (t0, t1)
+    assert t0["tree_steps"] > before[0]["tree_steps"]
+    assert t0["tree_accepted"] > before[0]["tree_accepted"]
+
+
+def _stats_with_rank(worker):
+    return {**worker.model_runner.drafter.stats(), "rank": worker.rank}
 
 
 # ------------------------------------------------------------ rank divergence

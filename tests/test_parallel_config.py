@@ -47,9 +47,12 @@ def test_every_method_refuses_pipeline_parallelism_on_cpu(method):
     assert "pipeline_parallel_size=2" in str(e.value)
 
 
-def test_del_refuses_tensor_parallelism_until_verified():
+def test_a_method_not_verified_under_tensor_parallelism_is_refused(monkeypatch):
+    from vllm_specplug.proposers.early_exit import DelProposer
     from vllm_specplug.vllm_adapter.engine_args import check_tensor_parallel
 
+    check_tensor_parallel(translate({"method": "del"})[1], 2)  # verified: allowed
+    monkeypatch.setattr(DelProposer, "supports_tensor_parallel", False)
     check_tensor_parallel(translate({"method": "del"})[1], 1)
     check_tensor_parallel(translate({"method": "sam"})[1], 2)
     with pytest.raises(SpecPlugConfigError, match="tensor_parallel_size=2"):

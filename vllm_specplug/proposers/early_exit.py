@@ -170,10 +170,11 @@ class _Request:
 class DelProposer(Proposer):
     name: ClassVar[str] = "del"
     default_num_speculative_tokens: ClassVar[int] = 4
-    # Every rank must draft in lockstep (the layers all-reduce); designed for
-    # it but not yet run at TP > 1, where a disagreement would hang the
-    # engine, so refused until verified (scripts/check_del_tp.py).
-    supports_tensor_parallel: ClassVar[bool] = False
+    # Every rank must draft in lockstep (the layers all-reduce). They do: the
+    # hidden states after each all-reduce and the all-gathered logits are the
+    # same on every rank, and the controller uses no timings
+    # (tests/test_engine_tp.py runs it at TP=2).
+    supports_tensor_parallel: ClassVar[bool] = True
     #: The adapter factory that binds this proposer to the loaded target
     #: (``bind_target``); the drafter calls it from ``load_model``.
     target_hook: ClassVar[str] = "vllm_specplug.vllm_adapter.early_exit_runner:make_exit_hook"
