@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 
@@ -31,6 +32,10 @@ def run_method(method: str, model: str, args: argparse.Namespace, out: Path,
     if METHOD_CONFIGS[method] is not None:
         serve_args += ["--speculative-config", json.dumps(METHOD_CONFIGS[method])]
     env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+    # our drafter's counters (batch budgets, its own time), copied after each
+    # concurrency level (cumulative over the server's life)
+    stats_file = out / f"{method}.drafter_stats.json"
+    env["VLLM_SPECPLUG_STATS_FILE"] = str(stats_file)
     log = out / f"{method}.server.log"
     results: dict[int, dict] = {}
     try:
@@ -57,6 +62,9 @@ def run_method(method: str, model: str, args: argparse.Namespace, out: Path,
                 print(f"## {name}\n{r.stdout[start:] if start >= 0 else r.stdout[-3000:]}",
                       flush=True)
                 results[c] = json.loads((out / f"{name}.json").read_text())
+                if stats_file.exists():
+                    time.sleep(1.5)  # the drafter writes at most once a second
+                    (out / f"{name}.drafter_stats.json").write_text(stats_file.read_text())
     except RuntimeError as e:
         sys.exit(f"{method}: {e}")
     return results

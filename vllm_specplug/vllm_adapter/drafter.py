@@ -118,6 +118,9 @@ class SpecPlugDrafter:
         # batch-aware budget steps and the draft nodes they proposed and kept
         self.batch_stats = {"steps": 0, "disabled_steps": 0, "nodes_proposed": 0,
                             "nodes_kept": 0}
+        # the drafter's own time (proposing, budgets, rank agreement): calls,
+        # batch rows and seconds, so its overhead can be set against steps
+        self.propose_time = {"calls": 0, "rows": 0, "seconds": 0.0}
         # Target top-k of the step just verified (set by the _sample patch):
         # req_id -> TargetTopK, consumed by the next propose().
         self.target_topk_k = int(getattr(self.proposer, "target_topk_k", 0) or 0) \
@@ -175,6 +178,7 @@ class SpecPlugDrafter:
                 "vllm_specplug: the runner patch GPUModelRunner.propose_draft_token_ids was "
                 "not applied; is the installed vLLM supported?")
         self._row_req_ids = None
+        started = time.perf_counter()
         pending, self.pending_topk = self.pending_topk, {}
         self._time_step(req_ids, sampled_token_ids)
         self.proposer.relative_token_cost = self.step_cost.relative_token_cost(
@@ -208,6 +212,9 @@ class SpecPlugDrafter:
         if self._last_step is not None:
             self._last_step = (self._last_step[0], sum(len(d) for d in drafts),
                                self._last_step[2])
+        self.propose_time["calls"] += 1
+        self.propose_time["rows"] += len(sampled_token_ids)
+        self.propose_time["seconds"] += time.perf_counter() - started
         stats_export.maybe_write(self)  # VLLM_SPECPLUG_STATS_FILE, see stats_export
         return drafts
 
@@ -342,6 +349,7 @@ class SpecPlugDrafter:
                "state_bytes": self.proposer.state_nbytes(),
                "errors": self.num_errors, "trees_held": len(self.trees),
                "batch_budget": dict(self.batch_stats),
+               "propose_time": dict(self.propose_time),
                "step_cost": {"samples": self.step_cost.samples, "a_s": float(a),
                              "from_cache": self.step_cost_from_cache,
                              "b_s": float(b), "relative_token_cost":

@@ -42,7 +42,7 @@ class _Exporter:
     def __init__(self, path: str, interval: float) -> None:
         self.path = path.replace("{pid}", str(os.getpid()))
         self.interval = interval
-        self.last = 0.0
+        self.last = float("-inf")  # the first step always writes (monotonic time can be small)
         self.writes = 0
         self.rank = 0
         self.rank_resolved = False
