@@ -165,3 +165,55 @@ def test_drafter_explores_one_node_now_and_then(patch_calls):
     per_request = [sum(row[i] for row in lengths) for i in range(2)]
     assert per_request == [1, 1], lengths
     assert [sum(row) for row in lengths].count(1) == 2
+
+
+# ------------------------------------------------------------ calibration
+def test_calibration_ratio_tracks_accepted_over_expected():
+    from vllm_specplug.budget import AcceptanceCalibration
+
+    c = AcceptanceCalibration()
+    assert c.ratio == 1.0
+    for i in range(400):  # estimates twice what verification accepts
+        c.expect(f"r{i % 4}", 2.0)
+        c.settle(f"r{i % 4}", 1)
+    assert c.ratio == pytest.approx(0.5, abs=0.03)
+    c.settle("unknown", 5)  # nothing expected from it: ignored
+    c.expect("gone", 3.0)
+    c.forget("gone")
+    c.settle("gone", 3)
+    assert c.settled == 400 and not c.pending
+    for _ in range(4000):  # far below: kept at MIN
+        c.expect("r", 4.0)
+        c.settle("r", 0)
+    assert c.ratio == c.MIN
+
+
+def test_allocate_batch_scales_estimates():
+    a, b = 0.070, 0.007
+    drafts = [chain([0.9, 0.8, 0.7]) for _ in range(8)]
+    full = sum(len(d) for d in allocate_batch(drafts, a, b, 8))
+    halved = sum(len(d) for d in allocate_batch(drafts, a, b, 8, scale=0.5))
+    assert full == 24 and halved < full
+    # scaling never lifts an estimate above 1
+    assert sum(len(d) for d in allocate_batch([chain([1.0])] * 32, a, b, 32, scale=1.5)) == 32
+
+
+def test_drafter_calibrates_from_what_verification_accepted(patch_calls):
+    """In batch steps the drafter records the kept drafts' expected accepted
+    tokens and, next step, what was committed; estimates that promised more
+    than was accepted lower the ratio."""
+    d = _drafter({"method": "sam", "num_speculative_tokens": 4, "sam_min_accept_prob": 0.0})
+    d.step_cost = type(d.step_cost)(prior_a=1.0, prior_b=1e-6, prior_weight=1e9)  # cheap
+    hist = {"a": [1, 2, 3, 1, 2, 3, 1, 2], "b": [7, 8, 9, 7, 8, 9, 7, 8]}
+    drafts = step(d, ["a", "b"], [hist["a"], hist["b"]], [[2], [8]])
+    assert all(drafts) and set(d.calibration.pending) == {"a", "b"}
+    # verification rejects every draft token: one token committed per request
+    hist = {"a": hist["a"] + [9], "b": hist["b"] + [1]}
+    step(d, ["a", "b"], [hist["a"], hist["b"]], [[9], [1]])
+    cal = d.stats()["calibration"]
+    assert cal["settled"] == 2 and cal["accepted"] == 0 and cal["expected"] > 0
+    assert cal["ratio"] < 1.0
+    # finished requests leave nothing behind
+    for r in ("a", "b"):
+        d.finish_request(r)
+    assert not d.calibration.pending

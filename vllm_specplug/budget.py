@@ -146,7 +146,60 @@ def monotone_values(values: np.ndarray, parents: np.ndarray | None) -> np.ndarra
 
 
 
-def allocate_batch(drafts: list, a: float, b: float, rows: int) -> list:
+class AcceptanceCalibration:
+    """How far the proposers' acceptance estimates are from what verification
+    accepts, in batch steps: ``ratio`` = accepted tokens / expected tokens (the
+    kept nodes' estimates summed), exponentially weighted, starting at 1 with
+    ``PRIOR`` expected tokens' weight and kept within [MIN, MAX].
+    ``allocate_batch`` scales node estimates by it, so a proposer that
+    overstates its acceptance does not make large batches pay for nodes that
+    are not accepted."""
+
+    PRIOR = 16.0
+    MIN, MAX = 0.25, 1.5
+    DECAY = 0.995
+
+    def __init__(self) -> None:
+        self.accepted = 0.0
+        self.expected = 0.0
+        self.pending: dict[str, float] = {}
+        self.settled = 0
+
+    @property
+    def ratio(self) -> float:
+        r = (self.accepted + self.PRIOR) / (self.expected + self.PRIOR)
+        return min(max(r, self.MIN), self.MAX)
+
+    def expect(self, req_id: str, expected_tokens: float) -> None:
+        """A request's kept draft is expected to get this many tokens accepted."""
+        self.pending[req_id] = float(expected_tokens)
+
+    def settle(self, req_id: str, accepted: int) -> None:
+        """Verification accepted ``accepted`` draft tokens of that draft."""
+        expected = self.pending.pop(req_id, None)
+        if expected is None:
+            return
+        self.accepted = self.accepted * self.DECAY + max(int(accepted), 0)
+        self.expected = self.expected * self.DECAY + expected
+        self.settled += 1
+
+    def forget(self, req_id: str) -> None:
+        self.pending.pop(req_id, None)
+
+    def stats(self) -> dict:
+        return {"ratio": round(self.ratio, 4), "settled": self.settled,
+                "accepted": round(self.accepted, 2), "expected": round(self.expected, 2)}
+
+
+def expected_accepted(draft) -> float:
+    """Expected accepted tokens of a scored draft: the sum of its nodes'
+    (monotone) chances of lying on the accepted path; 0 without scores."""
+    if draft.scores is None or len(draft) == 0:
+        return 0.0
+    return float(monotone_values(draft.scores, draft.parents).sum())
+
+
+def allocate_batch(drafts: list, a: float, b: float, rows: int, scale: float = 1.0) -> list:
     """Batch-aware draft budgets (in the spirit of TETRIS, arXiv 2502.15197).
 
     One step verifies ``rows`` tokens (one per decoding request) plus the
@@ -158,7 +211,8 @@ def allocate_batch(drafts: list, a: float, b: float, rows: int) -> list:
         v > N * b / (a + b * T)   (N expected tokens out, T tokens verified)
 
     so speculation shrinks as the batch grows and turns off when no node is
-    likely enough to pay for itself. Drafts without scores are kept whole
+    likely enough to pay for itself. ``scale`` multiplies every estimate
+    (``AcceptanceCalibration.ratio``; capped at 1). Drafts without scores are kept whole
     (their cost counts). Returns the drafts cut to the chosen nodes: a chain
     keeps a prefix, a tree an ancestor-closed subset (values are made
     monotone from parent to child, and ties keep parents first)."""
@@ -171,7 +225,7 @@ def allocate_batch(drafts: list, a: float, b: float, rows: int) -> list:
         if d.scores is None:
             n_tokens += len(d)
             continue
-        m = monotone_values(d.scores, d.parents)
+        m = np.minimum(monotone_values(d.scores, d.parents) * float(scale), 1.0)
         cands.extend((-float(x), i, j) for j, x in enumerate(m))
     cands.sort()
     keep = [np.zeros(len(d), dtype=bool) for d in drafts]

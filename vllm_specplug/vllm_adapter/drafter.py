@@ -23,7 +23,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..budget import SAVE_EVERY, StepCostModel, allocate_batch, load_prior, save_fit, subset
+from ..budget import (SAVE_EVERY, AcceptanceCalibration, StepCostModel, allocate_batch,
+                      expected_accepted, load_prior, save_fit, subset)
 from ..config import ADDITIONAL_CONFIG_KEY, build_proposer
 from ..proposers.base import Draft
 from . import stats_export
@@ -121,6 +122,8 @@ class SpecPlugDrafter:
         # the drafter's own time (proposing, budgets, rank agreement): calls,
         # batch rows and seconds, so its overhead can be set against steps
         self.propose_time = {"calls": 0, "rows": 0, "seconds": 0.0}
+        # accepted against expected tokens of the drafts kept in batch steps
+        self.calibration = AcceptanceCalibration()
         # Target top-k of the step just verified (set by the _sample patch):
         # req_id -> TargetTopK, consumed by the next propose().
         self.target_topk_k = int(getattr(self.proposer, "target_topk_k", 0) or 0) \
@@ -267,9 +270,12 @@ class SpecPlugDrafter:
         seen = self._seen.get(req_id)
         if (seen is not None and seen[0] <= n
                 and int(token_ids_cpu[row, seen[0] - 1]) == seen[1]):
+            if n > seen[0]:  # the last step committed n - seen[0] tokens (one not drafted)
+                self.calibration.settle(req_id, n - seen[0] - 1)
             if n > seen[0] or topk is not None:
                 self.proposer.observe(req_id, token_ids_cpu[row, seen[0]:n].tolist(), topk)
         else:
+            self.calibration.forget(req_id)
             if seen is not None:
                 self.proposer.finish(req_id)
             self.proposer.start(req_id, token_ids_cpu[row, :n].tolist())
@@ -302,7 +308,7 @@ class SpecPlugDrafter:
         if self.plugin.get("batch_budget", "auto") != "auto" or decoding < 2:
             return drafts
         a, b = self.step_cost.fit()
-        out = allocate_batch(drafts, a, b, decoding)
+        out = allocate_batch(drafts, a, b, decoding, scale=self.calibration.ratio)
         # exploration: now and then one request whose whole draft was cut
         # keeps its first node, so proposers' acceptance estimates (shared by
         # all requests) keep learning in large batches. One node per
@@ -320,6 +326,9 @@ class SpecPlugDrafter:
         for row, (before, after) in enumerate(zip(drafts, out)):
             if len(after) < len(before):
                 self.proposer.draft_cut(req_ids[row], after)
+        for row, after in enumerate(out):
+            if len(after) and after.scores is not None:
+                self.calibration.expect(req_ids[row], expected_accepted(after))
         kept = sum(len(d) for d in out)
         stats["nodes_proposed"] += proposed
         stats["nodes_kept"] += kept
@@ -339,6 +348,7 @@ class SpecPlugDrafter:
     def _forget(self, req_id: str) -> None:
         self._seen.pop(req_id, None)
         self.trees.pop(req_id, None)
+        self.calibration.forget(req_id)
         self.proposer.finish(req_id)
         stats_export.maybe_write(self, freed=True)
 
@@ -350,6 +360,7 @@ class SpecPlugDrafter:
                "errors": self.num_errors, "trees_held": len(self.trees),
                "batch_budget": dict(self.batch_stats),
                "propose_time": dict(self.propose_time),
+               "calibration": self.calibration.stats(),
                "step_cost": {"samples": self.step_cost.samples, "a_s": float(a),
                              "from_cache": self.step_cost_from_cache,
                              "b_s": float(b), "relative_token_cost":
