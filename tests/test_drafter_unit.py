@@ -78,6 +78,8 @@ def test_construction(patch_calls):
     assert stats.pop("batch_budget") == {"steps": 0, "disabled_steps": 0,
                                          "nodes_proposed": 0, "nodes_kept": 0}
     assert stats.pop("propose_time") == {"calls": 0, "rows": 0, "seconds": 0.0}
+    assert stats.pop("calibration") == {"ratio": 1.0, "settled": 0, "accepted": 0.0,
+                                        "expected": 0.0}
     assert stats == {"active_requests": 0, "state_bytes": 0, "errors": 0, "trees_held": 0}
     target = object()
     d.load_model(target)
