@@ -6,7 +6,7 @@ import itertools
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from test_drafter_unit import make_vllm_config, patch_calls, step  # noqa: F401 (fixture)
@@ -34,9 +34,13 @@ def rate(drafts_kept, a, b, rows):
 def test_one_request_matches_best_node_count(values, ratio):
     """For one request, the greedy batch rule keeps what ``best_node_count``
     (the single-request optimum) keeps."""
-    v = np.sort(np.asarray(values))[::-1]
+    # the draft holds float32 scores: compare on the same rounded values, and
+    # skip exact ties with the threshold (either answer is optimal there)
+    v = np.sort(np.asarray(values, dtype=np.float32).astype(np.float64))[::-1]
+    cost = ratio / (1.0 + ratio)
+    assume(not np.any(np.abs(v - cost) < 1e-9))
     [kept] = allocate_batch([chain(v)], 1.0, ratio, rows=1)
-    assert len(kept) == best_node_count(v, ratio / (1.0 + ratio), v.size)
+    assert len(kept) == best_node_count(v, cost, v.size)
 
 
 @settings(max_examples=150, deadline=None)
