@@ -75,6 +75,12 @@ def test_tp2_greedy_matches_plain_tp1_and_ranks_agree(get_llm, prompts, referenc
     assert len(ranks) == 2
     for s in ranks:
         assert s["errors"] == 0, s
+    if spec["method"] == "del":
+        # both ranks drafted, and their controllers made the same choices
+        p0, p1 = ranks[0]["proposer"], ranks[1]["proposer"]
+        assert p0["drafts"] > 0 and p0["probes"] > 0, p0
+        for key in ("exit_layer", "draft_length", "drafts", "probes", "layer_acceptance"):
+            assert p0[key] == p1[key], (key, p0[key], p1[key])
     if spec["method"] == "token_recycling":
         crc = [s["proposer"]["matrix_crc32"] for s in ranks]
         assert crc[0] == crc[1], crc
