@@ -354,11 +354,11 @@ class DelProposer(Proposer):
                             min(2 * req.interval, self.probe_max))
             req.next_probe = req.steps + req.interval
             self._shared_interval = req.interval
-        if d == 0 and probe:
-            # nothing pays: probe with one token from the best-looking layer
-            rates = self.rates(req)
-            layer = max(rates, key=lambda c: (rates[c], -c)) if rates else 0
-            d = 1 if layer else 0
+            if d == 0:
+                # nothing pays: probe with one token from the best-looking layer
+                rates = self.rates(req)
+                layer = max(rates, key=lambda c: (rates[c], -c)) if rates else 0
+                d = 1 if layer else 0
         return layer, d, probe
 
     def propose(self, req_id: str, budget: int) -> Draft:

@@ -326,7 +326,6 @@ class SpecPlugDrafter:
         for row, (before, after) in enumerate(zip(drafts, out)):
             if len(after) < len(before):
                 self.proposer.draft_cut(req_ids[row], after)
-        for row, after in enumerate(out):
             if len(after) and after.scores is not None:
                 self.calibration.expect(req_ids[row], expected_accepted(after))
         kept = sum(len(d) for d in out)
