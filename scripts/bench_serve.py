@@ -4,11 +4,14 @@ or several client concurrencies.
 
 Usage: python scripts/bench_serve.py [--methods plain,sam] [--num-prompts 26]
            [--output-len 128] [--concurrency 1[,4,16,32]] [--out serve_bench]
+           [--rounds R]
 Writes OUT/<method>_c<C>.json (vLLM's result file) and OUT/<method>_c<C>.txt
 (its report); with several concurrencies also OUT/concurrency.md (throughput
 and p50/p99 time per output token against concurrency) and
 OUT/concurrency.png. With several concurrencies, each level sends
-max(--num-prompts, 2 * C) prompts.
+max(--num-prompts, 2 * C) prompts. With --rounds R, every method's server
+runs at once and each level is R interleaved rounds (OUT/interleaved.md:
+paired per-round ratios to plain, which machine drift does not bias).
 """
 from __future__ import annotations
 
@@ -21,16 +24,36 @@ import time
 from pathlib import Path
 
 
+def serve_args_for(method: str) -> list[str]:
+    from vllm_specplug.bench.engine import METHOD_CONFIGS
+
+    args = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "4096",
+            "--served-model-name", "smollm2"]
+    if METHOD_CONFIGS[method] is not None:
+        args += ["--speculative-config", json.dumps(METHOD_CONFIGS[method])]
+    return args
+
+
+def bench_command(base: str, model: str, name: str, num_prompts: int, concurrency: int,
+                  output_len: int, out: Path) -> list[str]:
+    """``vllm bench serve`` on Spec-Bench prompts, greedy, result in OUT/NAME.json."""
+    from vllm_specplug.bench.prompts import spec_bench_path
+
+    return [sys.executable, "-m", "vllm_specplug.cli", "vllm", "bench", "serve",
+            "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
+            "--base-url", base, "--model", "smollm2", "--tokenizer", model,
+            "--dataset-name", "spec_bench", "--dataset-path", str(spec_bench_path()),
+            "--num-prompts", str(num_prompts), "--spec-bench-output-len", str(output_len),
+            "--max-concurrency", str(concurrency), "--seed", "0", "--temperature", "0",
+            "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
+            "--save-result", "--result-dir", str(out), "--result-filename", f"{name}.json"]
+
+
 def run_method(method: str, model: str, args: argparse.Namespace, out: Path,
                concurrencies: list[int]) -> dict[int, dict]:
-    from vllm_specplug.bench.engine import METHOD_CONFIGS
-    from vllm_specplug.bench.prompts import spec_bench_path
     from vllm_specplug.bench.server import running_server
 
-    serve_args = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "4096",
-                  "--served-model-name", "smollm2"]
-    if METHOD_CONFIGS[method] is not None:
-        serve_args += ["--speculative-config", json.dumps(METHOD_CONFIGS[method])]
+    serve_args = serve_args_for(method)
     env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
     # our drafter's counters (batch budgets, its own time), copied after each
     # concurrency level (cumulative over the server's life)
@@ -44,17 +67,8 @@ def run_method(method: str, model: str, args: argparse.Namespace, out: Path,
                 name = f"{method}_c{c}"
                 n = args.num_prompts if len(concurrencies) == 1 else max(args.num_prompts,
                                                                          2 * c)
-                bench = [sys.executable, "-m", "vllm_specplug.cli", "vllm", "bench", "serve",
-                         "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
-                         "--base-url", base, "--model", "smollm2", "--tokenizer", model,
-                         "--dataset-name", "spec_bench",
-                         "--dataset-path", str(spec_bench_path()),
-                         "--num-prompts", str(n), "--spec-bench-output-len",
-                         str(args.output_len), "--max-concurrency", str(c), "--seed", "0",
-                         "--temperature", "0", "--percentile-metrics", "ttft,tpot,itl",
-                         "--metric-percentiles", "50,99", "--save-result",
-                         "--result-dir", str(out), "--result-filename", f"{name}.json"]
-                r = subprocess.run(bench, capture_output=True, text=True)
+                r = subprocess.run(bench_command(base, model, name, n, c, args.output_len, out),
+                                   capture_output=True, text=True)
                 (out / f"{name}.txt").write_text(r.stdout + r.stderr)
                 if r.returncode != 0:
                     sys.exit(f"vllm bench serve failed for {name}; see {out / (name + '.txt')}")
@@ -121,6 +135,72 @@ def concurrency_report(results: dict[str, dict[int, dict]], out: Path) -> str:
     return md
 
 
+def run_interleaved(methods: list[str], model: str, args: argparse.Namespace, out: Path,
+                    concurrencies: list[int]) -> str:
+    """Every method's server up at once; at each concurrency, ``--rounds``
+    rounds, each driving every server once in turn (the order rotates each
+    round). Machine drift then hits all methods alike, and each round gives
+    one paired ratio to plain. Writes OUT/interleaved.json and .md."""
+    import statistics
+    from contextlib import ExitStack
+
+    from vllm_specplug.bench.server import running_server
+
+    env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+    rows: list[dict] = []
+    with ExitStack() as stack:
+        bases = {}
+        for m in methods:
+            try:
+                bases[m] = stack.enter_context(running_server(
+                    model, serve_args_for(m), out / f"{m}.server.log",
+                    env={**env, "VLLM_SPECPLUG_STATS_FILE": str(out / f"{m}.drafter_stats.json")}))
+            except RuntimeError as e:
+                sys.exit(f"{m}: {e}")
+        for c in concurrencies:
+            n = max(args.num_prompts, 2 * c)
+            for r in range(args.rounds):
+                order = methods[r % len(methods):] + methods[:r % len(methods)]
+                for m in order:
+                    name = f"{m}_c{c}_r{r}"
+                    res = subprocess.run(bench_command(bases[m], model, name, n, c,
+                                                       args.output_len, out),
+                                         capture_output=True, text=True)
+                    (out / f"{name}.txt").write_text(res.stdout + res.stderr)
+                    if res.returncode != 0:
+                        sys.exit(f"vllm bench serve failed for {name}; see {out / (name + '.txt')}")
+                    result = json.loads((out / f"{name}.json").read_text())
+                    rows.append({"method": m, "concurrency": c, "round": r, "position":
+                                 order.index(m), "output_throughput": result["output_throughput"],
+                                 "p50_tpot_ms": result.get("p50_tpot_ms"),
+                                 "p99_tpot_ms": result.get("p99_tpot_ms")})
+                    print(f"{name}: {result['output_throughput']:.1f} tok/s", flush=True)
+    (out / "interleaved.json").write_text(json.dumps(rows, indent=1))
+    lines = [f"{args.rounds} interleaved rounds per level, {args.output_len} output tokens, "
+             "greedy; throughput in output tok/s (median of rounds), ratio to plain per round "
+             "(geometric mean, and min-max over rounds)", "",
+             "| method | c | tok/s (median) | ratio to plain per round | geo-mean | min-max |",
+             "|---|---|---|---|---|---|"]
+    for c in concurrencies:
+        plain = {x["round"]: x["output_throughput"] for x in rows
+                 if x["method"] == "plain" and x["concurrency"] == c}
+        for m in methods:
+            mine = {x["round"]: x["output_throughput"] for x in rows
+                    if x["method"] == m and x["concurrency"] == c}
+            med = statistics.median(mine.values())
+            if m == "plain" or not plain:
+                lines.append(f"| {m} | {c} | {med:.1f} | | | |")
+                continue
+            ratios = [mine[r] / plain[r] for r in sorted(mine) if r in plain]
+            geo = statistics.geometric_mean(ratios)
+            lines.append(f"| {m} | {c} | {med:.1f} | "
+                         + ", ".join(f"{x:.2f}" for x in ratios)
+                         + f" | {geo:.2f}x | {min(ratios):.2f}-{max(ratios):.2f} |")
+    md = "\n".join(lines) + "\n"
+    (out / "interleaved.md").write_text(md)
+    return md
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -129,6 +209,9 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--concurrency", default="1", help="one level or a comma-separated list")
     ap.add_argument("--out", default="serve_bench")
+    ap.add_argument("--rounds", type=int, default=0,
+                    help="interleave: all servers up at once, this many rounds per level, "
+                         "methods driven in turn (paired ratios to plain)")
     args = ap.parse_args()
     methods = args.methods.split(",")
     from vllm_specplug.bench.engine import METHOD_CONFIGS
@@ -144,6 +227,9 @@ def main() -> None:
     model = default_model_path()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.rounds > 0:
+        print(run_interleaved(methods, model, args, out, concurrencies))
+        return
     results = {m: run_method(m, model, args, out, concurrencies) for m in methods}
     if len(concurrencies) > 1:
         print(concurrency_report(results, out))

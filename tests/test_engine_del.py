@@ -96,9 +96,7 @@ def test_del_drafts_equal_truncated_transformers_forward(del_run, model_path):
     assert mismatched == 0, f"{mismatched} of {checked} draft/shadow tokens differ"
 
 
-@pytest.mark.skipif(os.environ.get("SPECPLUG_SLOW_TESTS") != "1",
-                    reason="15 minutes on 2 cores (DEL drafts request by request); "
-                           "run with SPECPLUG_SLOW_TESTS=1")
+@pytest.mark.slow  # 15 minutes on 2 cores: DEL drafts request by request
 def test_del_sampling_matches_plain_sampling(get_llm, plain_samples):
     """At temperature 0.8 (top-k 6) DEL's chains, verified by vLLM's rejection
     sampler, leave the first three tokens distributed as plain sampling's

@@ -44,6 +44,7 @@ def _recent(self):
     return list(self.model_runner.drafter.target_hook.recent or [])
 
 
+@pytest.mark.slow
 def test_eagle2_random_head_greedy_is_identical(get_llm, spec_bench_prompts, eagle_random_head):
     cats = ["writing", "coding", "math", "extraction", "rag"]
     prompts = [r["prompt"] for r in pick(spec_bench_prompts, cats, 1)]
@@ -119,6 +120,7 @@ def test_eagle2_features_match_transformers(get_llm, model_path, spec_bench_prom
     assert checked >= 3
 
 
+@pytest.mark.slow
 def test_sam_eagle2_greedy_is_identical(get_llm, spec_bench_prompts, eagle_trained_head):
     cats = ["summarization", "rag", "coding"]
     prompts = [r["prompt"] for r in pick(spec_bench_prompts, cats, 1)]
@@ -134,6 +136,7 @@ def test_sam_eagle2_greedy_is_identical(get_llm, spec_bench_prompts, eagle_train
     assert p["sam_steps"] > 0 and p["eagle2_steps"] + p["none_steps"] > 0, p
 
 
+@pytest.mark.slow
 def test_eagle2_sampling_matches_plain_sampling(get_llm, eagle_trained_head, plain_samples):
     """Temperature 0.8, top-k 6: the first three tokens under EAGLE-2 trees
     (lossless multi-branch rejection sampling) are distributed as plain

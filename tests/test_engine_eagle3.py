@@ -83,6 +83,7 @@ def _chain(head, model, prompt_ids, first_token, vllm_draft, k):
     return chain, ties
 
 
+@pytest.mark.slow
 def test_vllm_eagle3_first_draft_equals_eagle3_head(eagle3_head, model_path, tmp_path):
     import test_train_eagle as tte
 
@@ -120,6 +121,7 @@ def _recent(self):
     return list(self.model_runner.drafter.target_hook.recent or [])
 
 
+@pytest.mark.slow
 def test_eagle2_with_an_eagle3_head(get_llm, model_path, spec_bench_prompts, eagle3_head):
     from test_engine_eagle import _eagle_stats
 

@@ -29,10 +29,11 @@ def test_sam_greedy_is_token_identical_to_plain_in_a_batch(get_llm, lossless_pro
         assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids), (
             f"prompt {i} differs:\nplain: {a.outputs[0].text!r}\nsam:   {b.outputs[0].text!r}")
     # Speculation really happened in this batch, shared out by the batch-aware
-    # budget (which cut some drafts: a batch of 24 makes weak ones not pay).
+    # budget. How many nodes it cuts depends on the verify cost it measured on
+    # this machine, so that is left to tests/test_batch_budget.py.
     assert delta["drafts"] > 0 and delta["accepted"] > 0
     b = get_llm("sam", SAM).llm_engine.collective_rpc(_drafter_stats)[0]["batch_budget"]
-    assert b["steps"] > 0 and b["nodes_kept"] < b["nodes_proposed"], b
+    assert b["steps"] > 0 and 0 < b["nodes_kept"] <= b["nodes_proposed"], b
 
 
 @pytest.mark.parametrize("category", ["summarization", "rag"])

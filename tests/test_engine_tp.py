@@ -54,13 +54,17 @@ def tp_llm(get_llm, name, spec):
 
 
 @pytest.mark.parametrize("name,spec", [
-    ("tp2_sam", {"method": "sam", "num_speculative_tokens": 8}),
+    # trees (our verification path, KV compaction on each shard) in the
+    # default tier; chains and DEL in the second
+    pytest.param("tp2_sam", {"method": "sam", "num_speculative_tokens": 8},
+                 marks=pytest.mark.slow),
     ("tp2_token_recycling", {"method": "token_recycling"}),
     # DEL runs the target's own first layers while drafting, so every rank
     # must draft in lockstep (the layers all-reduce): probe every step so
     # that each step runs shadow passes too
-    ("tp2_del", {"method": "del", "num_speculative_tokens": 3, "del_probe_every": 1,
-                 "del_probe_max": 1}),
+    pytest.param("tp2_del", {"method": "del", "num_speculative_tokens": 3,
+                             "del_probe_every": 1, "del_probe_max": 1},
+                 marks=pytest.mark.slow),
 ])
 def test_tp2_greedy_matches_plain_tp1_and_ranks_agree(get_llm, prompts, reference, name, spec):
     llm = tp_llm(get_llm, name, spec)
@@ -89,6 +93,7 @@ def test_tp2_greedy_matches_plain_tp1_and_ranks_agree(get_llm, prompts, referenc
 
 
 # -------------------------------------------- EAGLE-2 trees, acceptance rules
+@pytest.mark.slow
 def test_tp2_eagle2_with_block_acceptance_greedy_and_sampled(get_llm, prompts, reference,
                                                             eagle_trained_head):
     """EAGLE-2 trees (the head runs on each rank from that rank's copy of the
@@ -195,6 +200,7 @@ def _remove_near_tie_probe(worker):
     return {**log, "rank": worker.rank, "stats": d.stats()}
 
 
+@pytest.mark.slow
 def test_tp2_near_tied_logits_do_not_diverge_ranks(get_llm, prompts, reference):
     llm = tp_llm(get_llm, "tp2_token_recycling", {"method": "token_recycling"})
     assert sorted(llm.llm_engine.collective_rpc(_install_near_tie_probe)) == [0, 1]
@@ -223,6 +229,7 @@ def test_tp2_near_tied_logits_do_not_diverge_ranks(get_llm, prompts, reference):
 RAY_SPEC = {"method": "sam_tr"}
 
 
+@pytest.mark.slow
 def test_ray_executor_tp2_on_cpu(prompts, reference, tmp_path):
     """vLLM's Ray executor (RayExecutorV2) at TP=2 on the CPU platform, whose
     refusal ("current platform cpu does not support ray") is lifted in the

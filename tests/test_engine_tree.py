@@ -103,11 +103,16 @@ def _chi2_same_distribution(a, b) -> float:
     return float(chi2_contingency(pooled)[1])
 
 
-def test_tree_sampling_matches_plain_sampling(get_llm, plain_samples):
-    from collections import Counter
-
+@pytest.mark.slow
+def test_plain_sampling_passes_the_engine_sampling_test(get_llm, plain_samples):
+    """The tolerance's own check with the real engine: a second plain sample
+    passes against the first (test_scorers checks the statistic itself)."""
     other_plain = _first_three(get_llm("plain"))
     assert _chi2_same_distribution(plain_samples, other_plain) > 1e-3
+
+
+def test_tree_sampling_matches_plain_sampling(get_llm, plain_samples):
+    from collections import Counter
     # Draft trees from the tokens plain sampling actually produces, so that
     # both acceptance and the residual (rejection) path are exercised.
     common = [t for t, _ in Counter(t for s in plain_samples for t in s).most_common(12)]
@@ -122,6 +127,7 @@ def test_tree_sampling_matches_plain_sampling(get_llm, plain_samples):
     assert _chi2_same_distribution(plain_samples, tree) > 1e-3
 
 
+@pytest.mark.slow
 def test_sam_tr_sampling_matches_plain_sampling(get_llm, plain_samples):
     """The real hybrid at temperature 0.8: Token Recycling trees (its matrix
     learns from the target's top-k as the samples run) and SAM chains, all
@@ -137,7 +143,7 @@ def test_sam_tr_sampling_matches_plain_sampling(get_llm, plain_samples):
     assert _chi2_same_distribution(plain_samples, samples) > 1e-3
 
 
-@pytest.mark.parametrize("acceptance", [None, "block"])
+@pytest.mark.parametrize("acceptance", [None, pytest.param("block", marks=pytest.mark.slow)])
 def test_chain_sampling_matches_plain_sampling(get_llm, plain_samples, acceptance):
     """Chains go through vLLM's own rejection sampler (acceptance None); on
     CPU its per-token temperature/top-k expansion is our replacement
@@ -209,6 +215,7 @@ def test_token_recycling_greedy_is_identical_in_a_mixed_batch(get_llm, spec_benc
     assert tau > 1.1, (tau, delta)
 
 
+@pytest.mark.slow
 def test_token_recycling_auto_budget_one_request_at_a_time(get_llm, prompts, reference):
     ref, _ = reference
     llm = get_llm("tr_auto", {"method": "token_recycling"})

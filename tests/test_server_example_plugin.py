@@ -109,6 +109,7 @@ def _spec_counters(base: str) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_served_example_plugin_greedy_matches_plain(server, get_llm):
     plain = get_llm("plain")
     want = [list(chat(plain, [p], max_tokens=MAX_TOKENS)[0].outputs[0].token_ids)
@@ -125,6 +126,7 @@ def test_served_example_plugin_greedy_matches_plain(server, get_llm):
     assert counters["accepted"] > 0, counters
 
 
+@pytest.mark.slow
 def test_served_example_scorer_caps_acceptance(server):
     """At temperature > 0 the example scorer decides: it never accepts more
     than ``max_accept`` drafted tokens per step."""

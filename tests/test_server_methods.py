@@ -36,6 +36,7 @@ def prompts_and_reference(get_llm, spec_bench_prompts):
     return prompts, ref
 
 
+@pytest.mark.slow
 def test_served_method_concurrent_requests_match_plain(server, prompts_and_reference):
     import requests
 

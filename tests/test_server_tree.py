@@ -44,6 +44,7 @@ def _ask(base: str, prompt: str, stream: bool) -> list[int]:
     return got
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True], ids=["non-streaming", "streaming"])
 def test_served_token_recycling_concurrent_requests_match_plain(server, prompts_and_reference,
                                                                stream):
@@ -55,6 +56,7 @@ def test_served_token_recycling_concurrent_requests_match_plain(server, prompts_
         assert g == want, p[:80]
 
 
+@pytest.mark.slow
 def test_served_token_recycling_drafts_and_accepts(server, prompts_and_reference):
     """vLLM's own counters on /metrics show the trees were drafted and accepted."""
     import requests

@@ -178,6 +178,7 @@ def eagle_chain(head, model, prompt_ids, first_token, vllm_draft, k=NUM_DRAFT):
     return chain, ties
 
 
+@pytest.mark.slow
 def test_vllm_eagle_first_draft_equals_eagle_head(tiny, model_path, tmp_path):
     out, _, _, _ = tiny
     head_dir = out / "a" / "head"
