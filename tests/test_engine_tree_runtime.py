@@ -100,15 +100,15 @@ def test_abort_mid_stream_leaves_the_others_intact(get_llm, prompts):
 
 
 def test_preemption_by_recomputation(get_llm, spec_bench_prompts):
-    """A KV cache of 8 blocks (vLLM keeps one back: 896 tokens) for 4 requests
-    of ~300 tokens each: the scheduler must preempt; outputs stay identical
-    to plain decoding (max_model_len 768 so that one request fits)."""
+    """A KV cache of 5 blocks (vLLM keeps one back: 512 tokens) for 4 requests
+    of ~200 tokens each: the scheduler must preempt; outputs stay identical
+    to plain decoding (max_model_len 512 so that one request fits)."""
     prompts = [r["prompt"] for r in pick(spec_bench_prompts, ["writing", "roleplay",
                                                                 "humanities", "stem"], 1)]
-    kw = dict(max_tokens=260, ignore_eos=True)
+    kw = dict(max_tokens=140, ignore_eos=True)
     plain = chat(get_llm("plain"), prompts, **kw)
-    llm = get_llm("tr_paper_small_kv", TR_PAPER, num_gpu_blocks_override=8,
-                  max_model_len=768, enable_prefix_caching=False)
+    llm = get_llm("tr_paper_small_kv", TR_PAPER, num_gpu_blocks_override=5,
+                  max_model_len=512, enable_prefix_caching=False)
     before = _preemptions(llm)
     tree = chat(llm, prompts, **kw)
     assert _preemptions(llm) > before, "the test did not provoke a preemption"

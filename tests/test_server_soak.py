@@ -329,6 +329,7 @@ def _rss(pid: int) -> int:
     return psutil.Process(pid).memory_info().rss
 
 
+@pytest.mark.slow  # 6 minutes on 2 cores
 def test_soak_memory_after_1000_requests(soak, spec_bench_prompts):
     """Resident memory of the engine process (the one holding the drafter)
     after each 100 requests; the bound is on 1,000 against 100."""
