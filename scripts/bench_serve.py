@@ -49,16 +49,21 @@ def bench_command(base: str, model: str, name: str, num_prompts: int, concurrenc
             "--save-result", "--result-dir", str(out), "--result-filename", f"{name}.json"]
 
 
+def server_env(method: str, out: Path) -> dict[str, str]:
+    """The server's KV cache size, and where our drafter writes its counters
+    (batch budgets, its own time; cumulative over the server's life)."""
+    return {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
+            "VLLM_SPECPLUG_STATS_FILE": str(out / f"{method}.drafter_stats.json")}
+
+
 def run_method(method: str, model: str, args: argparse.Namespace, out: Path,
                concurrencies: list[int]) -> dict[int, dict]:
     from vllm_specplug.bench.server import running_server
 
     serve_args = serve_args_for(method)
-    env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
-    # our drafter's counters (batch budgets, its own time), copied after each
-    # concurrency level (cumulative over the server's life)
-    stats_file = out / f"{method}.drafter_stats.json"
-    env["VLLM_SPECPLUG_STATS_FILE"] = str(stats_file)
+    env = server_env(method, out)
+    # copied after each concurrency level
+    stats_file = Path(env["VLLM_SPECPLUG_STATS_FILE"])
     log = out / f"{method}.server.log"
     results: dict[int, dict] = {}
     try:
@@ -146,15 +151,13 @@ def run_interleaved(methods: list[str], model: str, args: argparse.Namespace, ou
 
     from vllm_specplug.bench.server import running_server
 
-    env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
     rows: list[dict] = []
     with ExitStack() as stack:
         bases = {}
         for m in methods:
             try:
                 bases[m] = stack.enter_context(running_server(
-                    model, serve_args_for(m), out / f"{m}.server.log",
-                    env={**env, "VLLM_SPECPLUG_STATS_FILE": str(out / f"{m}.drafter_stats.json")}))
+                    model, serve_args_for(m), out / f"{m}.server.log", env=server_env(m, out)))
             except RuntimeError as e:
                 sys.exit(f"{m}: {e}")
         for c in concurrencies:

@@ -20,8 +20,8 @@ _ENGINES: dict = {}
 # test, runtime edge cases, TP=2, serving, soak). Tests marked ``slow`` repeat
 # those checks for further methods, options and executors (more sampling
 # distributions, more TP=2 methods, Ray, EAGLE-3 against vLLM, more servers);
-# they run with SPECPLUG_SLOW_TESTS=1 (about 50 more minutes on 2 cores).
-RUN_SLOW = os.environ.get("SPECPLUG_SLOW_TESTS") == "1"
+# they run with SPECPLUG_SLOW_TESTS=1 (both tiers: over 90 minutes on 2 cores).
+from helpers import RUN_SLOW  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):

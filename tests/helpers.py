@@ -1,6 +1,11 @@
 """Helpers for the engine tests."""
 from __future__ import annotations
 
+import os
+
+# the second test tier (tests marked ``slow``; see conftest.py)
+RUN_SLOW = os.environ.get("SPECPLUG_SLOW_TESTS") == "1"
+
 
 def chat(llm, prompts: list[str], max_tokens: int, temperature: float = 0.0, **kw):
     from vllm import SamplingParams

@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
-from helpers import assert_same_tokens, chat, pick
+from helpers import RUN_SLOW, assert_same_tokens, chat, pick
 
 pytestmark = pytest.mark.engine
 
@@ -78,7 +77,7 @@ def test_seeded_tree_sampling_is_reproducible(get_llm):
 # chunked in a large batch, "CPU Generator does not use offset", with or
 # without speculation.) N is 1,000 in the default tier and 2,000 with
 # SPECPLUG_SLOW_TESTS=1 (the plain sample is shared, so one N per run).
-N_SAMPLES = 2000 if os.environ.get("SPECPLUG_SLOW_TESTS") == "1" else 1000
+N_SAMPLES = 2000 if RUN_SLOW else 1000
 # A raw 5-token prompt, not a chat: vLLM's CPU KV blocks hold 128 tokens, so
 # 200 copies of a short prompt share no cached block and each is prefilled;
 # the chat template's 34 tokens made a batch of 200 take ~26 s, this ~5 s.
@@ -126,6 +125,7 @@ def test_plain_sampling_passes_the_engine_sampling_test(get_llm, plain_samples):
 
 def test_tree_sampling_matches_plain_sampling(get_llm, plain_samples):
     from collections import Counter
+
     # Draft trees from the tokens plain sampling actually produces, so that
     # both acceptance and the residual (rejection) path are exercised.
     common = [t for t, _ in Counter(t for s in plain_samples for t in s).most_common(12)]
