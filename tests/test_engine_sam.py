@@ -8,6 +8,7 @@ from helpers import chat, pick, tau_of
 pytestmark = pytest.mark.engine
 
 SAM = {"method": "sam", "num_speculative_tokens": 8}
+SAM_BUDGET_OFF = dict(SAM, batch_budget="off")
 CATEGORIES = ["writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem",
               "humanities", "translation", "summarization", "qa", "math_reasoning", "rag"]
 
@@ -21,19 +22,24 @@ def lossless_prompts(spec_bench_prompts):
 
 
 def test_sam_greedy_is_token_identical_to_plain_in_a_batch(get_llm, lossless_prompts):
+    # The batch-aware budget ("auto") may rightly turn speculation off in a
+    # batch of 24 on a slow machine (CI's fit kept 2 drafts in the whole
+    # batch), which would leave batched drafting untested: here every request
+    # keeps its proposer's draft, so many rows draft in the same step. The
+    # default budget is checked at batch size 4 below, and by the soak test.
     plain = chat(get_llm("plain"), lossless_prompts, max_tokens=48)
-    tau, delta, sam = tau_of(get_llm("sam", SAM),
-                             lambda: chat(get_llm("sam", SAM), lossless_prompts, max_tokens=48))
+    llm = get_llm("sam_budget_off", SAM_BUDGET_OFF)
+    tau, delta, sam = tau_of(llm, lambda: chat(llm, lossless_prompts, max_tokens=48))
     assert len(plain) == len(sam) == 24
     for i, (a, b) in enumerate(zip(plain, sam)):
         assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids), (
             f"prompt {i} differs:\nplain: {a.outputs[0].text!r}\nsam:   {b.outputs[0].text!r}")
-    # Speculation really happened in this batch, shared out by the batch-aware
-    # budget. How many nodes it cuts depends on the verify cost it measured on
-    # this machine, so that is left to tests/test_batch_budget.py.
-    assert delta["drafts"] > 0 and delta["accepted"] > 0
-    b = get_llm("sam", SAM).llm_engine.collective_rpc(_drafter_stats)[0]["batch_budget"]
-    assert b["steps"] > 0 and 0 < b["nodes_kept"] <= b["nodes_proposed"], b
+    assert delta["drafts"] > 0 and delta["accepted"] > 0, delta
+    # Batched drafting really happened: one request drafts at most once per
+    # step, so at most 48 times; more means several requests drafted.
+    assert delta["drafts"] > 48, delta
+    b = llm.llm_engine.collective_rpc(_drafter_stats)[0]["batch_budget"]
+    assert b["steps"] == 0, b  # the budget is off: it never ran
 
 
 @pytest.mark.parametrize("category", ["summarization", "rag"])
@@ -48,6 +54,11 @@ def test_sam_metrics_and_tau_on_repetitive_categories(get_llm, spec_bench_prompt
     assert len(delta["accepted_per_pos"]) == 8
     assert sum(delta["accepted_per_pos"]) == delta["accepted"]
     assert tau > 1.05, f"{category}: tau {tau:.3f} (counters {delta})"
+    # The default batch-aware budget ran on these 4-request steps and kept at
+    # most what the proposer drafted (how much it cuts depends on the verify
+    # cost measured on this machine: tests/test_batch_budget.py checks that).
+    b = llm.llm_engine.collective_rpc(_drafter_stats)[0]["batch_budget"]
+    assert b["steps"] > 0 and 0 < b["nodes_kept"] <= b["nodes_proposed"], b
 
 
 def test_sam_requests_state_is_freed(get_llm, spec_bench_prompts):
