@@ -4,14 +4,15 @@ or several client concurrencies.
 
 Usage: python scripts/bench_serve.py [--methods plain,sam] [--num-prompts 26]
            [--output-len 128] [--concurrency 1[,4,16,32]] [--out serve_bench]
-           [--rounds R]
+           [--rounds R] [--config NAME=JSON ...]
 Writes OUT/<method>_c<C>.json (vLLM's result file) and OUT/<method>_c<C>.txt
 (its report); with several concurrencies also OUT/concurrency.md (throughput
 and p50/p99 time per output token against concurrency) and
 OUT/concurrency.png. With several concurrencies, each level sends
 max(--num-prompts, 2 * C) prompts. With --rounds R, every method's server
 runs at once and each level is R interleaved rounds (OUT/interleaved.md:
-paired per-round ratios to plain, which machine drift does not bias).
+paired per-round ratios to plain, which machine drift does not bias; round r
+draws its own prompts, the same for every method).
 """
 from __future__ import annotations
 
@@ -34,19 +35,57 @@ def serve_args_for(method: str) -> list[str]:
     return args
 
 
+def add_method_configs(specs: list[str]) -> list[str]:
+    """``--config NAME=JSON``: a named speculative config (e.g. a method with
+    one option changed) benchmarked like the built-in ones. Returns the names."""
+    from vllm_specplug.bench.engine import METHOD_CONFIGS
+
+    names = []
+    for spec in specs:
+        name, sep, text = spec.partition("=")
+        if not sep or not name:
+            sys.exit(f"--config {spec!r}: give NAME=JSON, e.g. "
+                     "sam_off='{\"method\": \"sam\", \"disable_by_batch_size\": 1}'")
+        try:
+            cfg = json.loads(text)
+        except json.JSONDecodeError as e:
+            sys.exit(f"--config {name}: not JSON ({e})")
+        if not isinstance(cfg, dict) or "method" not in cfg:
+            sys.exit(f"--config {name}: give a JSON object with a \"method\" key")
+        METHOD_CONFIGS[name] = cfg
+        names.append(name)
+    return names
+
+
 def bench_command(base: str, model: str, name: str, num_prompts: int, concurrency: int,
-                  output_len: int, out: Path) -> list[str]:
-    """``vllm bench serve`` on Spec-Bench prompts, greedy, result in OUT/NAME.json."""
+                  output_len: int, out: Path, dataset: Path | None = None) -> list[str]:
+    """``vllm bench serve`` on Spec-Bench prompts (or the JSONL ``dataset``),
+    greedy, result in OUT/NAME.json."""
     from vllm_specplug.bench.prompts import spec_bench_path
 
     return [sys.executable, "-m", "vllm_specplug.cli", "vllm", "bench", "serve",
             "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
             "--base-url", base, "--model", "smollm2", "--tokenizer", model,
-            "--dataset-name", "spec_bench", "--dataset-path", str(spec_bench_path()),
+            "--dataset-name", "spec_bench", "--dataset-path", str(dataset or spec_bench_path()),
             "--num-prompts", str(num_prompts), "--spec-bench-output-len", str(output_len),
             "--max-concurrency", str(concurrency), "--seed", "0", "--temperature", "0",
             "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
             "--save-result", "--result-dir", str(out), "--result-filename", f"{name}.json"]
+
+
+def round_dataset(out: Path, concurrency: int, round_: int, n: int) -> Path:
+    """The prompts of one round at one concurrency: ``n`` Spec-Bench questions
+    drawn with seed 1000 * concurrency + round (vLLM's spec_bench loader
+    ignores ``--seed``, so each round gets its own file), the same for every
+    method."""
+    import random
+
+    from vllm_specplug.bench.prompts import spec_bench_path
+
+    lines = [x for x in spec_bench_path().read_text().splitlines() if x.strip()]
+    path = out / f"prompts_c{concurrency}_r{round_}.jsonl"
+    path.write_text("\n".join(random.Random(1000 * concurrency + round_).sample(lines, n)) + "\n")
+    return path
 
 
 def server_env(method: str, out: Path) -> dict[str, str]:
@@ -145,7 +184,9 @@ def run_interleaved(methods: list[str], model: str, args: argparse.Namespace, ou
     """Every method's server up at once; at each concurrency, ``--rounds``
     rounds, each driving every server once in turn (the order rotates each
     round). Machine drift then hits all methods alike, and each round gives
-    one paired ratio to plain. Writes OUT/interleaved.json and .md."""
+    one paired ratio to plain. Each round draws its own prompts
+    (``round_dataset``), the same for every method, so later rounds do not run
+    on prompts the servers' prefix caches already hold. Writes OUT/interleaved.json and .md."""
     import statistics
     from contextlib import ExitStack
 
@@ -163,11 +204,12 @@ def run_interleaved(methods: list[str], model: str, args: argparse.Namespace, ou
         for c in concurrencies:
             n = max(args.num_prompts, 2 * c)
             for r in range(args.rounds):
+                dataset = None if args.same_prompts else round_dataset(out, c, r, n)
                 order = methods[r % len(methods):] + methods[:r % len(methods)]
                 for m in order:
                     name = f"{m}_c{c}_r{r}"
                     res = subprocess.run(bench_command(bases[m], model, name, n, c,
-                                                       args.output_len, out),
+                                                       args.output_len, out, dataset),
                                          capture_output=True, text=True)
                     (out / f"{name}.txt").write_text(res.stdout + res.stderr)
                     if res.returncode != 0:
@@ -179,9 +221,11 @@ def run_interleaved(methods: list[str], model: str, args: argparse.Namespace, ou
                                  "p99_tpot_ms": result.get("p99_tpot_ms")})
                     print(f"{name}: {result['output_throughput']:.1f} tok/s", flush=True)
     (out / "interleaved.json").write_text(json.dumps(rows, indent=1))
-    lines = [f"{args.rounds} interleaved rounds per level, {args.output_len} output tokens, "
-             "greedy; throughput in output tok/s (median of rounds), ratio to plain per round "
-             "(geometric mean, and min-max over rounds)", "",
+    prompts = ("the same prompts every round" if args.same_prompts else
+               "each round its own prompts, seed 1000 * c + round")
+    lines = [f"{args.rounds} interleaved rounds per level ({prompts}), "
+             f"{args.output_len} output tokens, greedy; throughput in output tok/s (median of "
+             "rounds), ratio to plain per round (geometric mean, and min-max over rounds)", "",
              "| method | c | tok/s (median) | ratio to plain per round | geo-mean | min-max |",
              "|---|---|---|---|---|---|"]
     for c in concurrencies:
@@ -215,9 +259,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=0,
                     help="interleave: all servers up at once, this many rounds per level, "
                          "methods driven in turn (paired ratios to plain)")
+    ap.add_argument("--same-prompts", action="store_true",
+                    help="with --rounds: every round sends the same prompts (rounds after the "
+                         "first then hit warm prefix caches: decode-dominated)")
+    ap.add_argument("--config", action="append", default=[], metavar="NAME=JSON",
+                    help="a named speculative config usable in --methods (repeatable)")
     args = ap.parse_args()
     methods = args.methods.split(",")
     from vllm_specplug.bench.engine import METHOD_CONFIGS
+
+    add_method_configs(args.config)
     from vllm_specplug.models import default_model_path
 
     unknown = [m for m in methods if m not in METHOD_CONFIGS]
