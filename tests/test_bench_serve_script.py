@@ -14,7 +14,8 @@ import bench_serve  # noqa: E402
 
 def test_round_datasets_differ_by_round_and_level_and_repeat(tmp_path):
     a = bench_serve.round_dataset(tmp_path, 32, 0, 64).read_text()
-    again = bench_serve.round_dataset(tmp_path / "..", 32, 0, 64).read_text()
+    (tmp_path / "again").mkdir()
+    again = bench_serve.round_dataset(tmp_path / "again", 32, 0, 64).read_text()
     b = bench_serve.round_dataset(tmp_path, 32, 1, 64).read_text()
     c16 = bench_serve.round_dataset(tmp_path, 16, 0, 32).read_text()
     assert a == again  # every method of a round gets the same prompts
