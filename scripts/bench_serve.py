@@ -267,9 +267,9 @@ def main() -> None:
     args = ap.parse_args()
     methods = args.methods.split(",")
     from vllm_specplug.bench.engine import METHOD_CONFIGS
+    from vllm_specplug.models import default_model_path
 
     add_method_configs(args.config)
-    from vllm_specplug.models import default_model_path
 
     unknown = [m for m in methods if m not in METHOD_CONFIGS]
     if unknown:

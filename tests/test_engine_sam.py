@@ -34,10 +34,9 @@ def test_sam_greedy_is_token_identical_to_plain_in_a_batch(get_llm, lossless_pro
     for i, (a, b) in enumerate(zip(plain, sam)):
         assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids), (
             f"prompt {i} differs:\nplain: {a.outputs[0].text!r}\nsam:   {b.outputs[0].text!r}")
-    assert delta["drafts"] > 0 and delta["accepted"] > 0, delta
     # Batched drafting really happened: one request drafts at most once per
     # step, so at most 48 times; more means several requests drafted.
-    assert delta["drafts"] > 48, delta
+    assert delta["drafts"] > 48 and delta["accepted"] > 0, delta
     b = llm.llm_engine.collective_rpc(_drafter_stats)[0]["batch_budget"]
     assert b["steps"] == 0, b  # the budget is off: it never ran
 
