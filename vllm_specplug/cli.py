@@ -62,9 +62,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     md = report.write(res, Path(args.out), with_plots=not args.no_plots)
     if args.docs:
         command = "specplug bench " + " ".join(shlex.quote(a) for a in sys.argv[2:])
-        report.write_docs(res, Path(args.out), Path(args.docs), command)
+        report.write_docs(res, Path(args.out), Path(args.docs), command,
+                          raw_path=Path(args.docs_raw) if args.docs_raw else None)
     print(md)
     print(f"Results written to {args.out}/ (results.md, results.json, plots)")
+    if res["implausible"]:
+        print(f"WARNING: {len(res['implausible'])} implausible measurement(s), listed at the "
+              f"top of the report: this machine was busy during the run; rerun when it is "
+              f"quiet before quoting any speedup.", file=sys.stderr)
     return 0
 
 
@@ -319,6 +324,9 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--no-plots", action="store_true")
         sp.add_argument("--docs", default=None, metavar="PATH",
                         help="also write the results as a Markdown page (e.g. docs/benchmarks.md)")
+        sp.add_argument("--docs-raw", default=None, metavar="PATH",
+                        help="with --docs: where the page's raw figures go (default: "
+                             "results/benchmarks.json beside the page's docs folder)")
         sp.set_defaults(func=cmd_bench)
 
     bench_args(sub.add_parser("bench", help="Spec-Bench style comparison"), quick=False)

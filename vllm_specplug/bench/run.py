@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from .engine import METHOD_CONFIGS
+from .plausibility import check
 from .stats import Counters, summary, total
 
 
@@ -212,4 +213,5 @@ def analyse(model, methods, configs, prompts, raw, notes, **settings) -> dict:
                               "outputs_differing_from_plain": sum(
                                   x != y for x, y in zip(b["token_ids"], bb["token_ids"]))}
         out["methods"][m] = entry
+    out["implausible"] = [f.message for f in check(out)]
     return out

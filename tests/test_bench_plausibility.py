@@ -1,0 +1,93 @@
+"""The benchmark report flags implausible measurements (no engine):
+a speedup above tau, overall or on single prompts, and a plain baseline
+slowed on some prompts."""
+from __future__ import annotations
+
+import json
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vllm_specplug.bench import report
+from vllm_specplug.bench.plausibility import check, speedup_above_tau
+from vllm_specplug.bench.run import analyse
+
+
+def _row(pid, generated, accepted, seconds):
+    return {"id": pid, "category": f"c{pid % 2}", "repeat": 0, "token_ids": list(range(generated)),
+            "generated": generated, "seconds": seconds, "accepted": accepted,
+            "drafts": accepted, "draft_tokens": 2 * accepted, "accepted_per_pos": []}
+
+
+def _result(plain_rows, method_rows: dict):
+    prompts = [{"id": r["id"], "category": r["category"], "prompt": "x"} for r in plain_rows]
+    raw = {"plain": {"engine_start_seconds": 1, "batch": None, "results": plain_rows}}
+    for m, rows in method_rows.items():
+        raw[m] = {"engine_start_seconds": 1, "batch": None, "results": rows}
+    methods = ["plain", *method_rows]
+    configs = {m: None if m == "plain" else {"method": m} for m in methods}
+    return analyse("m", methods, configs, prompts, raw, [], max_tokens=96, temperature=0.0,
+                   repeat=1, batch=False)
+
+
+def test_the_demo_case_ngram_above_tau_is_flagged_and_marked():
+    # the issue's demo run: ngram tau 1.25 but 1.91x plain's tokens/s
+    plain = [_row(i, 96, 0, 96 * 0.100) for i in range(3)]
+    ngram = [_row(i, 96, round(96 * (1 - 1 / 1.25)), 96 * 0.100 / 1.91) for i in range(3)]
+    sam = [_row(i, 96, 48, 48 * 0.110) for i in range(3)]   # tau 2, each step 10% dearer
+    res = _result(plain, {"ngram": ngram, "sam": sam})
+    flagged = {f.method for f in check(res)}
+    assert "ngram" in flagged and "sam" not in flagged
+    assert any(m.startswith("ngram: speedup 1.91x is above its tau 1.25") for m in res["implausible"])
+    md = report.markdown(res)
+    assert "Implausible measurements" in md
+    assert "| ngram | 1.25 |" in md and "1.91x !" in md
+    sam_line = next(line for line in md.splitlines() if line.startswith("| sam |"))
+    assert "!" not in sam_line
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(8, 200), st.floats(0.0, 0.9), st.floats(1.0, 3.0),
+                          st.floats(0.9, 1.04)), min_size=1, max_size=8),
+       st.floats(0.02, 0.2), st.floats(0.0, 5.0))
+def test_consistent_timings_are_never_flagged(prompts, step, prefill):
+    """Timings from a consistent machine (each prompt: the same prefill for
+    both; every verify step costs at least plain's step, up to 3x; plain's own
+    step 10% faster to 4% slower per prompt) trip neither bound."""
+    plain, spec = [], []
+    for i, (n, share, verify_cost, plain_jitter) in enumerate(prompts):
+        accepted = int(n * share)
+        plain.append(_row(i, n, 0, prefill * 0.01 + n * step * plain_jitter))
+        spec.append(_row(i, n, accepted, prefill * 0.01 + (n - accepted) * step * verify_cost))
+    res = _result(plain, {"sam": spec, "ngram": spec})
+    assert check(res) == []
+
+
+def test_a_slowed_plain_prompt_is_named():
+    plain = [_row(i, 64, 0, 64 * 0.1) for i in range(4)]
+    plain[2] = _row(2, 64, 0, 64 * 0.1 * 1.8)     # plain ran 1.8x slower on prompt 2
+    spec = {m: [_row(i, 64, 16, 48 * 0.1) for i in range(4)] for m in ("ngram", "sam")}
+    flags = check(_result(plain, spec))
+    plain_flags = [f.message for f in flags if f.method == "plain"]
+    assert len(plain_flags) == 1 and "prompt ids 2 " in plain_flags[0]
+    per_prompt = [f.message for f in flags if f.method == "sam"]
+    assert any("on 1 of 4 prompts" in m and "(prompt ids 2)" in m for m in per_prompt)
+
+
+def test_speedup_above_tau_bound_and_nan():
+    assert not speedup_above_tau(1.25, 1.30, 0.05)
+    assert speedup_above_tau(1.25, 1.32, 0.05)
+    assert not speedup_above_tau(float("nan"), 2.0, 0.05)
+    assert not speedup_above_tau(1.5, float("nan"), 0.05)
+
+
+def test_docs_page_links_its_raw_figures_in_results(tmp_path):
+    plain = [_row(i, 32, 0, 3.2) for i in range(2)]
+    res = _result(plain, {"sam": [_row(i, 32, 8, 2.6) for i in range(2)]})
+    docs = tmp_path / "docs" / "benchmarks.md"
+    docs.parent.mkdir()
+    report.write_docs(res, tmp_path / "out", docs, "specplug bench --quick")
+    raw = tmp_path / "results" / "benchmarks.json"
+    assert json.loads(raw.read_text())["methods"].keys() == {"plain", "sam"}
+    assert "[benchmarks.json](../results/benchmarks.json)" in docs.read_text()
+    assert not (docs.parent / "benchmarks.json").exists()

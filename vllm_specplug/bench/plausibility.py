@@ -1,0 +1,92 @@
+"""Flags for benchmark measurements that cannot be right.
+
+Speculation cannot beat its tau: a verify step does at least the work of a
+plain decoding step (plus drafting), and prefill is the same work for both,
+so a method's speedup over plain decoding is at most its tau (tokens per
+target step), on every prompt and overall. A measured speedup above tau means
+the timing was disturbed: plain decoding ran slower than it can (the machine
+was busy), or the method ran while plain's run was slowed. Such numbers are
+flagged, not presented as results.
+
+Tolerances: overall, 5% above tau; per prompt, 10% (a single prompt's time is
+noisier). In the repository's quiet runs (``results/runs/hybrid_corpus.json``,
+``eagle2.json``, ``scorers_*.json``: 13 and 6 prompts, 12 methods) no prompt
+crossed the per-prompt bound; in the runs made on a loaded machine
+(``results/benchmarks.json``, ``del_sweep_full.json``) up to 18 of 65 prompts
+did, by up to 1.55x.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+OVERALL_TOLERANCE = 0.05
+PROMPT_TOLERANCE = 0.10
+
+
+@dataclass(frozen=True)
+class Flag:
+    method: str          # the flagged method ("plain" for the baseline itself)
+    message: str
+
+
+def _tau(generated: int, accepted: int) -> float:
+    steps = generated - accepted
+    return generated / steps if steps > 0 else float("nan")
+
+
+def _tps(row: dict) -> float:
+    return row["generated"] / row["seconds"] if row["seconds"] > 0 else float("nan")
+
+
+def speedup_above_tau(tau: float, speedup: float, tolerance: float) -> bool:
+    """True when ``speedup`` exceeds ``tau`` by more than ``tolerance`` (a share
+    of tau); NaNs (no tokens, no time) are never flagged."""
+    return speedup == speedup and tau == tau and speedup > tau * (1.0 + tolerance)
+
+
+def check(res: dict) -> list[Flag]:
+    """Flags for a ``bench.run.analyse`` result: methods whose overall speedup
+    exceeds their tau; methods whose speedup exceeds tau on single prompts;
+    prompts on which most speculative methods exceed tau (plain decoding
+    itself was slowed there)."""
+    methods = res["methods"]
+    if "plain" not in methods:
+        return []
+    plain = {(r["id"], r["repeat"]): r for r in methods["plain"]["per_prompt"]}
+    flags: list[Flag] = []
+    over_by_prompt: dict[tuple, list[str]] = {}
+    spec = [m for m in methods if m != "plain"]
+    for m in spec:
+        o = methods[m]["overall"]
+        sp = o.get("speedup", float("nan"))
+        if speedup_above_tau(o["tau"], sp, OVERALL_TOLERANCE):
+            flags.append(Flag(m, f"{m}: speedup {sp:.2f}x is above its tau {o['tau']:.2f}, "
+                                 f"which speculation cannot do; the machine was busy during "
+                                 f"this run or plain's: rerun on a quiet machine"))
+        over = []
+        for r in methods[m]["per_prompt"]:
+            base = plain.get((r["id"], r["repeat"]))
+            if base is None:
+                continue
+            tau = _tau(r["generated"], r["accepted"])
+            sp = _tps(r) / _tps(base)
+            if speedup_above_tau(tau, sp, PROMPT_TOLERANCE):
+                over.append(r["id"])
+                over_by_prompt.setdefault((r["id"], r["repeat"]), []).append(m)
+        if over:
+            flags.append(Flag(m, f"{m}: on {len(over)} of {len(methods[m]['per_prompt'])} "
+                                 f"prompts its speedup is more than "
+                                 f"{PROMPT_TOLERANCE:.0%} above its tau there "
+                                 f"(prompt ids {_ids(over)})"))
+    if len(spec) >= 2:
+        slow = [key for key, ms in over_by_prompt.items() if 2 * len(ms) > len(spec)]
+        if slow:
+            flags.append(Flag("plain", f"plain: on prompt ids {_ids([k[0] for k in slow])} "
+                                       f"most methods beat their tau: plain decoding was "
+                                       f"slowed there, so every speedup is inflated"))
+    return flags
+
+
+def _ids(ids: list) -> str:
+    shown = ", ".join(str(i) for i in ids[:8])
+    return shown + (f" and {len(ids) - 8} more" if len(ids) > 8 else "")
