@@ -100,7 +100,7 @@ def translate(spec: Mapping[str, Any], tokenizer: str | None = None
     # "model" is vLLM's key for a draft model; a method that drafts with a
     # model of its own (``takes_model_path``, e.g. eagle2's head folder)
     # keeps it as its option ``options["model"]``
-    taken_keys = ("custom_class",) if getattr(cls, "takes_model_path", False) \
+    taken_keys = ("custom_class",) if cls.takes_model_path \
         else ("model", "custom_class")
     for taken in taken_keys:
         if taken in spec:

@@ -126,6 +126,20 @@ class Proposer(ABC):
     #: measured on this engine and set by the adapter before each step
     #: (``vllm_specplug.budget``).
     relative_token_cost: float = 0.08
+    #: How many of the target's top tokens per position ``observe`` wants
+    #: (read by the adapter once, after ``__init__``, when
+    #: ``wants_target_topk``; 0: none). Set it in ``__init__``.
+    target_topk_k: int = 0
+    #: Whether the method drafts with a model of its own whose folder the user
+    #: gives as ``speculative_config["model"]`` (vLLM's draft-model key),
+    #: passed to ``__init__`` as the option ``model`` (e.g. eagle2's head).
+    takes_model_path: ClassVar[bool] = False
+    #: ``"module:function"`` of an adapter factory, for methods that draft
+    #: through the target model itself (del: its first layers; eagle2: its
+    #: hidden states). None: the proposer never sees the target. When set,
+    #: the adapter calls ``function(drafter, target_model)`` once the target
+    #: is loaded and hands the returned :class:`TargetHook` to ``bind_target``.
+    target_hook: ClassVar[str | None] = None
 
     @classmethod
     def check_options(cls, num_speculative_tokens: int, options: dict) -> None:
@@ -168,3 +182,34 @@ class Proposer(ABC):
     def state_nbytes(self) -> int:
         """Approximate bytes of per-request state held (0 if unknown)."""
         return 0
+
+    def bind_target(self, hook: "TargetHook") -> None:
+        """Receive the object built by ``target_hook`` (called once, at engine
+        start, only when ``target_hook`` is set)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} sets target_hook = {self.target_hook!r} but does not "
+            f"implement bind_target")
+
+    def debug_stats(self) -> dict:
+        """Counters for tests and benchmarks (JSON-serialisable), reported as
+        ``SpecPlugDrafter.stats()["proposer"]``; empty by default."""
+        return {}
+
+
+class TargetHook:
+    """What a ``Proposer.target_hook`` factory returns: the adapter-side
+    object through which a proposer drafts with the target (implemented in
+    ``vllm_specplug.vllm_adapter``; each method's own interface, e.g.
+    ``proposers.eagle2.EagleDraftHook``, adds the drafting calls). The adapter
+    itself reads only what is declared here."""
+
+    #: Target layers whose hidden states the hook needs besides the final
+    #: ones (an EAGLE-3 head's fused layers); None: none. The adapter makes
+    #: the target return them when the hook is bound.
+    aux_layers: tuple[int, ...] | None = None
+
+    def begin_step(self, runner, hidden_states, sampled_token_ids, req_ids,
+                   scheduler_output, aux_hidden_states=None) -> None:
+        """Called before each step's drafts with the target's outputs of the
+        step just verified (``runner`` is vLLM's model runner; tensors stay
+        opaque here). Default: nothing to keep."""

@@ -1,13 +1,18 @@
 """Everything that touches vLLM internals. Nothing else in the package may.
 
-``PATCHES`` declares every change to vLLM, each named after the class it
-changes. ``install()`` (the ``vllm.general_plugins`` entry point, run in every
-vLLM process) checks the version and applies the process-0 patches; worker
-patches are applied when the runner builds our drafter.
+``PATCHES`` declares every change to vLLM, each named after the class (or
+attention backend) it changes. ``install()`` (the ``vllm.general_plugins``
+entry point, run in every vLLM process) checks the version and that every
+patch target exists (``check_targets``: a missing one raises, naming it), and
+applies the process-0 patches; worker patches are applied when the runner
+builds our drafter.
 """
 from __future__ import annotations
 
-from .patching import APPLIED, Patch, apply, applied_names
+from . import patching
+from .patching import (APPLIED, BackendOverride, Patch, PatchTargetMissing, apply,
+                       applied_names)
+from .runner import PROPOSE_ARGS, REMOVED_ARGS
 from .version import SUPPORTED_VLLM_VERSIONS, UnsupportedVLLMVersion, check_vllm_version
 
 
@@ -34,7 +39,8 @@ RUNNER_PATCH = Patch(
     module="vllm.v1.worker.gpu_model_runner", cls="GPUModelRunner",
     attr="propose_draft_token_ids",
     make=_lazy(".runner", "make_propose_draft_token_ids"),
-    why="hand our drafter each batch row's request id and the scheduler output")
+    why="hand our drafter each batch row's request id and the scheduler output",
+    args=PROPOSE_ARGS)
 
 REQUEST_REMOVED_PATCH = Patch(
     name="GPUModelRunner._on_request_state_removed",
@@ -42,7 +48,8 @@ REQUEST_REMOVED_PATCH = Patch(
     attr="_on_request_state_removed",
     make=_lazy(".runner", "make_on_request_state_removed"),
     why="free a request's proposer state as soon as it finishes or is aborted "
-        "(preempted requests are freed when they leave the batch)")
+        "(preempted requests are freed when they leave the batch)",
+    args=REMOVED_ARGS)
 
 AUX_HIDDEN_PATCH = Patch(
     name="GPUModelRunner._setup_eagle3_aux_hidden_state_outputs",
@@ -82,12 +89,32 @@ TREE_ATTENTION_BACKEND = "vllm_specplug.vllm_adapter.tree_attention.TreeCPUAtten
 TREE_FLASH_ATTENTION_BACKEND = (
     "vllm_specplug.vllm_adapter.tree_attention_cuda.TreeFlashAttentionBackend")
 
+CPU_TREE_BACKEND_PATCH = BackendOverride(
+    name="AttentionBackendEnum.CPU_ATTN", backend="CPU_ATTN",
+    class_path=TREE_ATTENTION_BACKEND,
+    why="tree drafts on CPU: attention of draft nodes masked to their ancestors "
+        "(CPU_ATTN's kernels, tree rows through our tree mask)")
+
+FLASH_TREE_BACKEND_PATCH = BackendOverride(
+    name="AttentionBackendEnum.FLASH_ATTN", backend="FLASH_ATTN",
+    class_path=TREE_FLASH_ATTENTION_BACKEND,
+    why="tree drafts on CUDA: FLASH_ATTN with tree rows through our Triton "
+        "ancestor-masked kernel (not yet run on a GPU)")
+
 PATCHES = (ENGINE_ARGS_PATCH, RUNNER_PATCH, REQUEST_REMOVED_PATCH, AUX_HIDDEN_PATCH,
-           SAMPLE_PATCH, CPU_EXPAND_PATCH, TREE_PREPARE_PATCH)
+           SAMPLE_PATCH, CPU_EXPAND_PATCH, TREE_PREPARE_PATCH, CPU_TREE_BACKEND_PATCH,
+           FLASH_TREE_BACKEND_PATCH)
+
+
+def check_targets() -> None:
+    """Raise ``PatchTargetMissing`` (naming each patch and the supported vLLM)
+    unless every ``PATCHES`` target exists in the installed vLLM; applies nothing."""
+    patching.check_targets(PATCHES)
 
 
 def install() -> None:
     check_vllm_version()
+    check_targets()
     apply(ENGINE_ARGS_PATCH)
 
 
@@ -112,59 +139,18 @@ def install_tree_patches(vllm_config=None) -> None:
             f"vllm_specplug tree verification runs on vLLM's CPU attention path and on "
             f"CUDA with the FLASH_ATTN backend; platform {current_platform.device_name!r} "
             f"is not supported (use a chain method, e.g. sam)")
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
-
     if current_platform.is_cpu():
-        register_backend(AttentionBackendEnum.CPU_ATTN, TREE_ATTENTION_BACKEND)
+        apply(CPU_TREE_BACKEND_PATCH)
     else:
         _check_cuda_tree_config(vllm_config)
-        register_backend(AttentionBackendEnum.FLASH_ATTN, TREE_FLASH_ATTENTION_BACKEND)
+        apply(FLASH_TREE_BACKEND_PATCH)
     apply(TREE_PREPARE_PATCH)
 
 
-def _check_cuda_tree_config(vllm_config) -> None:
-    """Refuse CUDA configurations the tree path cannot serve, and make vLLM pick
-    FLASH_ATTN (the override's base) where it would pick another backend by
-    default (FlashInfer first on SM100; FLASH_ATTN first on SM80/SM90)."""
-    if vllm_config is None:
-        return
-    from vllm.utils.torch_utils import is_quantized_kv_cache
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum
-
-    from ..kernels.tree_attention_triton import MAX_TREE_NODES
-
-    flash = AttentionBackendEnum.FLASH_ATTN
-    attention = getattr(vllm_config, "attention_config", None)
-    if attention is not None:
-        chosen = [attention.backend] + list((getattr(attention, "backend_per_kind", None)
-                                             or {}).values())
-        other = [b for b in chosen if b is not None and b != flash]
-        if other:
-            names = ", ".join(getattr(b, "name", str(b)) for b in other)
-            raise ValueError(
-                f"vllm_specplug tree verification on CUDA runs in the FLASH_ATTN attention "
-                f"backend, but this engine selected {names}; use --attention-backend "
-                f"FLASH_ATTN (or leave it unset), or a chain method (e.g. sam)")
-        if attention.backend is None:
-            attention.backend = flash
-    problems = []
-    cache_dtype = str(getattr(getattr(vllm_config, "cache_config", None), "cache_dtype",
-                              "auto") or "auto")
-    if is_quantized_kv_cache(cache_dtype):
-        problems.append(f"a quantized KV cache (kv_cache_dtype={cache_dtype})")
-    k = getattr(getattr(vllm_config, "speculative_config", None), "num_speculative_tokens", 0)
-    if int(k or 0) > MAX_TREE_NODES:
-        problems.append(f"more than {MAX_TREE_NODES} draft nodes per request "
-                        f"(num_speculative_tokens={k})")
-    parallel = getattr(vllm_config, "parallel_config", None)
-    if int(getattr(parallel, "decode_context_parallel_size", 1) or 1) > 1:
-        problems.append("decode context parallelism")
-    if getattr(parallel, "use_ubatching", False):
-        problems.append("micro-batching (DBO)")
-    if problems:
-        raise NotImplementedError(
-            f"vllm_specplug tree verification on CUDA does not support {', '.join(problems)}")
+# Refusals of CUDA configurations (and FLASH_ATTN pinning) live in cuda_checks.
+from .cuda_checks import check_cuda_tree_config as _check_cuda_tree_config  # noqa: E402
 
 
-__all__ = ["APPLIED", "PATCHES", "SUPPORTED_VLLM_VERSIONS", "UnsupportedVLLMVersion",
-           "applied_names", "check_vllm_version", "install", "install_worker_patches"]
+__all__ = ["APPLIED", "PATCHES", "PatchTargetMissing", "SUPPORTED_VLLM_VERSIONS",
+           "UnsupportedVLLMVersion", "applied_names", "check_targets", "check_vllm_version",
+           "install", "install_worker_patches"]

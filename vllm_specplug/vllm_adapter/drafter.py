@@ -126,8 +126,8 @@ class SpecPlugDrafter:
         self.calibration = AcceptanceCalibration()
         # Target top-k of the step just verified (set by the _sample patch):
         # req_id -> TargetTopK, consumed by the next propose().
-        self.target_topk_k = int(getattr(self.proposer, "target_topk_k", 0) or 0) \
-            if self.proposer.wants_target_topk else 0
+        self.target_topk_k = (int(self.proposer.target_topk_k)
+                              if self.proposer.wants_target_topk else 0)
         self.pending_topk: dict = {}
         # Step cost against tokens verified, from consecutive decode steps.
         self._cost_cache = step_cost_cache_path(vllm_config)
@@ -147,7 +147,7 @@ class SpecPlugDrafter:
         self.target_model = target_model
         # A proposer that runs the target (e.g. del) names an adapter factory
         # ("module:function"); its hook object is bound here, at engine start.
-        factory = getattr(self.proposer, "target_hook", None)
+        factory = self.proposer.target_hook
         if factory:
             import importlib
 
@@ -163,10 +163,9 @@ class SpecPlugDrafter:
         request ids by row and, for hooks that read them (eagle2), the
         target's hidden states of this step."""
         self._row_req_ids = req_ids
-        collect = getattr(self.target_hook, "begin_step", None)
-        if collect is not None and isinstance(sampled_token_ids, list):
+        if self.target_hook is not None and isinstance(sampled_token_ids, list):
             try:
-                collect(self.runner, hidden_states, sampled_token_ids, req_ids,
+                self.target_hook.begin_step(self.runner, hidden_states, sampled_token_ids, req_ids,
                         scheduler_output, aux_hidden_states=aux_hidden_states)
             except Exception:  # noqa: BLE001 - drafts get worse, output does not change
                 self.num_errors += 1
@@ -364,9 +363,7 @@ class SpecPlugDrafter:
                              "from_cache": self.step_cost_from_cache,
                              "b_s": float(b), "relative_token_cost":
                              float(self.step_cost.relative_token_cost(1))}}
-        debug = getattr(self.proposer, "debug_stats", None)
-        if debug is not None:
-            out["proposer"] = debug()
+        out["proposer"] = self.proposer.debug_stats()
         if self.proposer.drafts_trees or self.route_chains:
             from .tree_runtime import STEP
 

@@ -52,6 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from ..options import SpecPlugConfigError
+from ..proposers.base import TargetHook
 
 logger = logging.getLogger("vllm_specplug")
 
@@ -80,7 +81,7 @@ class _HeadState:
         return int(self.k.numel() * self.k.element_size() * 2)
 
 
-class EagleRunner:
+class EagleRunner(TargetHook):
     """Runs an EAGLE head (EAGLE-1 or EAGLE-3) against a loaded vLLM target model."""
 
     def __init__(self, drafter: Any, model: Any, head_path: str) -> None:

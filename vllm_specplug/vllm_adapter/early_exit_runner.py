@@ -38,12 +38,13 @@ import numpy as np
 import torch
 
 from ..options import SpecPlugConfigError
+from ..proposers.base import TargetHook
 from ..proposers.early_exit import SUPPORTED_ARCHITECTURES, ExitDraft, unsupported_message
 
 logger = logging.getLogger("vllm_specplug")
 
 
-class EarlyExitRunner:
+class EarlyExitRunner(TargetHook):
     """Drafts from the first ``L`` layers of a loaded vLLM model."""
 
     def __init__(self, drafter: Any, model: Any) -> None:

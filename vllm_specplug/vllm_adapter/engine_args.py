@@ -30,7 +30,7 @@ def pipeline_parallel_problem(plugin: dict[str, Any]) -> str | None:
 
     method = plugin["method"]
     cls = get_proposer_class(method)
-    if getattr(cls, "target_hook", None):
+    if cls.target_hook:
         return (f"method {method!r} drafts with the target's first layers, which pipeline "
                 f"parallelism puts in another stage's worker")
     if cls.drafts_trees:
@@ -107,10 +107,16 @@ def make_create_speculative_config(original):
                 spec[key] = value
             vllm_kwargs, plugin = plugin_config.translate(
                 spec, tokenizer=target_model_config.tokenizer)
+            from .request_options import check_watermark
+
+            check_watermark(self.watermark_config)
             check_pipeline_parallel(
                 plugin, getattr(target_parallel_config, "pipeline_parallel_size", 1))
             check_tensor_parallel(
                 plugin, getattr(target_parallel_config, "tensor_parallel_size", 1))
+            from .cuda_checks import check_tree_model
+
+            check_tree_model(plugin, target_model_config)
             self.spec_method = self.spec_model = self.spec_tokens = None
             self.speculative_config = vllm_kwargs
             self.additional_config = {**(self.additional_config or {}),
