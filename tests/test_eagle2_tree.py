@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from vllm_specplug.budget import best_node_count
 from vllm_specplug.config import build_proposer, translate
 from vllm_specplug.options import SpecPlugConfigError
-from vllm_specplug.proposers import eagle2 as eagle2_module
+from vllm_specplug import folders
 from vllm_specplug.proposers.base import Draft
 from vllm_specplug.proposers.eagle2 import (
     Eagle2Proposer, build_dynamic_tree, clean_children, path_length, rerank)
@@ -382,7 +382,7 @@ def test_bind_target_checks_the_hook():
 def head_dir(tmp_path, monkeypatch):
     """A head folder with the files the basic check wants (the real checker
     of vllm_specplug.eagle, if installed, is replaced by the basic one)."""
-    monkeypatch.setattr(eagle2_module, "_head_checker", lambda: None)
+    monkeypatch.setattr(folders, "_head_checker", lambda: None)
     d = tmp_path / "head"
     d.mkdir()
     (d / "config.json").write_text(json.dumps({"hidden_size": 576, "vocab_size": 49152}))
@@ -464,7 +464,7 @@ def test_head_checker_of_the_eagle_package_is_used(head_dir, monkeypatch):
         seen.append((path, target))
         raise ValueError("hidden_size missing")
 
-    monkeypatch.setattr(eagle2_module, "_head_checker", lambda: checker)
+    monkeypatch.setattr(folders, "_head_checker", lambda: checker)
     with pytest.raises(SpecPlugConfigError, match=r"\['model'\].*hidden_size missing"):
         translate({"method": "eagle2", "model": str(head_dir)})
     assert seen == [(str(head_dir), None)]
@@ -473,7 +473,7 @@ def test_head_checker_of_the_eagle_package_is_used(head_dir, monkeypatch):
     target = head_dir.parent / "target"
     target.mkdir()
     (target / "config.json").write_text(json.dumps({"hidden_size": 8}))
-    monkeypatch.setattr(eagle2_module, "_head_checker",
+    monkeypatch.setattr(folders, "_head_checker",
                         lambda: lambda path, cfg: seen.append((path, cfg)))
     for method in ("eagle2", "sam_eagle2"):
         translate({"method": method, "model": str(head_dir)}, tokenizer=str(target))
@@ -554,7 +554,7 @@ def test_sam_tr_is_unchanged_by_the_generalisation():
 
     p = SamTokenRecyclingProposer(8)
     assert p.tr is p.fallback and p.wants_target_topk and p.target_topk_k == 8
-    assert not hasattr(SamTokenRecyclingProposer, "target_hook")
-    assert not getattr(SamTokenRecyclingProposer, "takes_model_path", False)
+    assert SamTokenRecyclingProposer.target_hook is None
+    assert not SamTokenRecyclingProposer.takes_model_path
     assert set(p.debug_stats()) >= {"sam_steps", "tr_steps", "none_steps", "tr_tau",
                                     "token_recycling", "merged_sam_nodes"}

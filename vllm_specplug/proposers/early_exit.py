@@ -56,6 +56,7 @@ from typing import ClassVar, Protocol, Sequence
 
 import numpy as np
 
+from ..folders import model_config
 from ..options import Option, SpecPlugConfigError
 from .base import Draft, Proposer, TargetTopK
 
@@ -446,19 +447,3 @@ def check_layers(options: dict, num_layers: int) -> None:
 def unsupported_message(arch: str) -> str:
     return (f"speculative method 'del' runs the target's first layers itself and supports "
             f"the architectures {', '.join(SUPPORTED_ARCHITECTURES)}; this model is {arch}")
-
-
-def model_config(model: str) -> dict | None:
-    """A local model folder's config.json (None if there is none)."""
-    import json
-    import os
-
-    path = os.path.join(str(model), "config.json")
-    if not os.path.isfile(path):
-        return None
-    try:
-        with open(path) as f:
-            cfg = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return cfg if isinstance(cfg, dict) else None

@@ -28,8 +28,8 @@ from ..budget import best_node_count, monotone_values, subset
 from ..options import Option
 from ..tree.structure import merge_drafts
 from .base import Draft, Proposer, TargetTopK
-from .eagle2 import (Eagle2Proposer, EagleDraftHook, check_head_against_model,
-                     check_draft_vocab, check_head_path, path_length)
+from ..folders import check_draft_vocab, check_head_against_model, check_head_path
+from .eagle2 import Eagle2Proposer, EagleDraftHook, path_length
 from .sam import SamProposer
 from .token_recycling import TokenRecyclingProposer
 
@@ -105,6 +105,9 @@ class SamHybridProposer(Proposer):
             self.stats[f"{branch}_accepted"] += len(committed_ids) - 1
         self.sam.observe(req_id, committed_ids)
         self.fallback.observe(req_id, committed_ids, target_topk)
+
+    def complete(self, req_id: str) -> None:
+        self.sam.complete(req_id)
 
     def match_len(self, req_id: str) -> int:
         return self.sam.match_len(req_id)
