@@ -95,6 +95,7 @@ def main() -> None:
                                mm_prefix_query_range_tensor=None, rswa_prefix_lens=None)
         step.requests = requests
         step.flash = tree_runtime.build_flash_args(requests, "cpu")
+        step.attended = True
         try:
             impl.forward(None, query, None, None, kv, meta, output)
         finally:

@@ -174,7 +174,11 @@ if triton is not None:
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, DOT_FP32)
         return acc, l_i, m_new
 
-    @triton.jit
+    # Integer arguments that change from step to step are not specialized on
+    # (Triton would otherwise compile a variant for 1, for multiples of 16 and
+    # for the rest): the variants are then only the constexprs of
+    # :func:`launch_config`, which :func:`warm_up` compiles at engine start.
+    @triton.jit(do_not_specialize=["max_nodes", "stride_bits_r", "stride_table_r"])
     def _tree_attention_kernel(
             q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, prefix_lens_ptr, node_counts_ptr,
             query_start_ptr, bits_ptr, qk_scale,
@@ -303,12 +307,8 @@ def paged_tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         return out
     num_heads, head_size = q.shape[1], q.shape[2]
     _, page, num_kv_heads, _ = k_cache.shape
-    group = num_heads // num_kv_heads
-    block_d = max(16, triton.next_power_of_2(head_size))
-    block_m = max(16, min(64, triton.next_power_of_2(max_nodes * group)))
-    block_n = 64 if block_d <= 128 else 32
-    precision = "ieee" if q.dtype == torch.float32 else None  # fp32: no TF32
-    grid = (num_reqs, num_kv_heads, triton.cdiv(max_nodes * group, block_m))
+    cfg = launch_config(num_heads, num_kv_heads, head_size, page, q.dtype, max_nodes)
+    grid = (num_reqs, num_kv_heads, triton.cdiv(max_nodes * cfg["GROUP"], cfg["BLOCK_M"]))
     _tree_attention_kernel[grid](
         q, k_cache, v_cache, out, block_table, prefix_lens, node_counts, query_start,
         ancestor_bits, scale * math.log2(math.e),
@@ -319,7 +319,58 @@ def paged_tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         block_table.stride(0), block_table.stride(1),
         ancestor_bits.stride(0), ancestor_bits.stride(1),
         head_size, max_nodes,
-        PAGE=page, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        PRECISION=precision, DOT_FP32=q.dtype == torch.bfloat16 and _interpreting(),
-        num_warps=4, num_stages=2)
+        **cfg, num_warps=4, num_stages=2)
     return out
+
+
+def launch_config(num_heads: int, num_kv_heads: int, head_size: int, page: int,
+                  dtype: torch.dtype, max_nodes: int) -> dict:
+    """The kernel's compile-time constants for one launch: everything that
+    makes Triton compile a new variant (with the argument dtypes and the
+    16-divisibility of the fixed strides). Within one engine only ``BLOCK_M``
+    changes from step to step, with the step's largest tree."""
+    group = num_heads // num_kv_heads
+    block_d = max(16, triton.next_power_of_2(head_size))
+    return dict(PAGE=page, GROUP=group,
+                BLOCK_M=max(16, min(64, triton.next_power_of_2(max_nodes * group))),
+                BLOCK_N=64 if block_d <= 128 else 32, BLOCK_D=block_d,
+                PRECISION="ieee" if dtype == torch.float32 else None,  # fp32: no TF32
+                DOT_FP32=dtype == torch.bfloat16 and _interpreting())
+
+
+def warm_up_node_counts(num_heads: int, num_kv_heads: int,
+                        max_nodes: int = MAX_TREE_NODES) -> list[int]:
+    """One node count per distinct kernel variant that trees of 1 ..
+    ``max_nodes`` nodes use (the smallest count of each ``BLOCK_M``)."""
+    group = num_heads // num_kv_heads
+    counts: dict[int, int] = {}
+    for n in range(1, max_nodes + 1):
+        block_m = max(16, min(64, triton.next_power_of_2(n * group)))
+        counts.setdefault(block_m, n)
+    return sorted(counts.values())
+
+
+def warm_up(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            block_table: torch.Tensor, scale: float, max_nodes: int = MAX_TREE_NODES
+            ) -> list[int]:
+    """Compile (and run once) every kernel variant that trees of up to
+    ``max_nodes`` nodes need for these tensors, so that serving never
+    compiles. ``q``, the caches and ``block_table`` (one row, as wide as the
+    serving path's) only give dtypes, strides and shapes: the launches read
+    row 0 of ``q`` and the first ``page`` keys of the table's first block, and
+    write a scratch output. Returns the node counts launched with."""
+    if triton is None:
+        raise RuntimeError("the tree-attention kernel needs Triton, which is not installed")
+    device = q.device
+    out = torch.empty_like(q)
+    table = torch.zeros_like(block_table[:1])
+    one = torch.ones(1, dtype=torch.int64, device=device)
+    zero = torch.zeros(1, dtype=torch.int64, device=device)
+    counts = warm_up_node_counts(q.shape[1], k_cache.shape[2], max_nodes)
+    for n in counts:
+        bits = torch.zeros(1, n, dtype=torch.int64, device=device)
+        bits[0, 0] = 1
+        # node_counts 1: only row 0 of q is read, whatever the variant
+        paged_tree_attention(q, k_cache, v_cache, table, one, one, zero, bits, scale,
+                             out=out, check_inputs=False)
+    return counts

@@ -14,6 +14,19 @@ The metadata builder reports no CUDA graph support, so vLLM resolves the
 cudagraph mode to PIECEWISE (attention outside the graphs, where this Python
 code runs every step) instead of replaying full-graph decode steps that would
 skip it; an explicit FULL mode is refused by vLLM with its own message.
+
+Nothing here raises while serving. What the tree path cannot serve is refused
+before: in process 0 (``cuda_checks.check_tree_model``), when the tree
+patches are installed (``cuda_checks.check_cuda_tree_config``), when a layer
+is built (:func:`_unsupported_layer`) and when vLLM builds the metadata
+builders at KV-cache initialisation (``cuda_checks.check_kv_specs`` on the
+built model's specs). Bidirectional multimodal prefixes need no refusal: their
+ranges cover prompt tokens only, and a tree request's draft nodes are decode
+tokens after them, so the nodes' attention is the same either way.
+
+The Triton kernel's variants are compiled by ``warm_up`` at the first forward
+that sees the allocated KV cache (vLLM's warm-up and capture runs, before
+serving), once per distinct set of dtypes and strides.
 """
 from __future__ import annotations
 
@@ -22,7 +35,7 @@ from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
 from vllm.v1.attention.backends.flash_attn import (FlashAttentionBackend, FlashAttentionImpl,
                                                    FlashAttentionMetadataBuilder)
 
-from . import tree_runtime
+from . import cuda_checks, cuda_kv, tree_runtime
 from .tree_runtime import STEP, flash_tree_attention
 
 _WHAT = "vllm_specplug tree verification on CUDA (FLASH_ATTN + Triton tree kernel)"
@@ -58,39 +71,53 @@ class TreeFlashAttentionImpl(FlashAttentionImpl):
                     f"{_WHAT} does not support {', '.join(reasons)}; use a chain method "
                     f"(e.g. sam) for this model")
             tree_runtime.FLASH_TREE_LAYERS += 1
+        self.tree_warm = False
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
         result = super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                  output_scale, output_block_scale)
-        if attn_metadata is not None and STEP.attended and self.tree_layer:
-            self._check_step(query, kv_cache, attn_metadata)
-            flash_tree_attention(self, query, kv_cache, attn_metadata.block_table, output)
+        if attn_metadata is not None and self.tree_layer:
+            if not self.tree_warm and kv_cache.numel():
+                warm_up_kernel(self, query, kv_cache, attn_metadata.block_table)
+                self.tree_warm = True
+            if STEP.attended:
+                flash_tree_attention(self, query, kv_cache, attn_metadata.block_table, output)
         return result
 
-    def _check_step(self, query, kv_cache, attn_metadata) -> None:
-        if STEP.flash is None:
-            raise RuntimeError("vllm_specplug: tree requests without kernel arguments "
-                               "(prepare_tree_requests did not run for this step)")
-        reasons = []
-        if attn_metadata.causal is not True:
-            reasons.append("non-causal or per-request causal attention")
-        if getattr(attn_metadata, "mm_prefix_query_range_tensor", None) is not None:
-            reasons.append("bidirectional multimodal prefixes")
-        if getattr(attn_metadata, "rswa_prefix_lens", None) is not None:
-            reasons.append("R-SWA")
-        if kv_cache.dim() != 4 or kv_cache.shape[-1] != 2 * self.head_size:
-            reasons.append(f"a KV cache of shape {tuple(kv_cache.shape)} (expected "
-                           f"[blocks, kv heads, block size, 2 * {self.head_size}])")
-        if query.dtype != kv_cache.dtype:
-            reasons.append(f"a {kv_cache.dtype} KV cache with {query.dtype} queries")
-        if reasons:
-            raise NotImplementedError(f"{_WHAT} does not support {', '.join(reasons)}")
+
+#: kernel variants already compiled in this process, by dtypes and strides
+_WARMED: set = set()
+
+
+def warm_up_kernel(impl, query, kv_cache, block_table) -> bool:
+    """Compile the Triton tree kernel's variants for this layer's tensors
+    (trees of 1 .. 64 nodes) unless a layer with the same dtypes and strides
+    already did; True if it launched. Reads row 0 of ``query`` and one block
+    of the cache; writes nothing of vLLM's."""
+    from ..kernels.tree_attention_triton import warm_up
+
+    q = query.view(-1, impl.num_heads, impl.head_size)
+    k_cache, v_cache = cuda_kv.split_kv(kv_cache)
+    key = (q.dtype, q.stride(), k_cache.shape[1:], k_cache.stride(), v_cache.stride(),
+           block_table.dtype, block_table.shape[1], str(q.device))
+    if key in _WARMED:
+        return False
+    warm_up(q, k_cache, v_cache, block_table, impl.scale)
+    _WARMED.add(key)
+    return True
 
 
 class TreeFlashAttentionMetadataBuilder(FlashAttentionMetadataBuilder):
     # Full CUDA graphs would replay attention without the tree fix-up.
     _cudagraph_support = AttentionCGSupport.NEVER
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+        # Built at KV-cache initialisation, before any request: the built
+        # model's exact specs (every group, chunked-local and sliding-window
+        # layers; vLLM's chunked-local builder subclasses this one).
+        cuda_checks.check_kv_specs(cuda_checks.model_kv_specs(vllm_config))
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
