@@ -90,6 +90,17 @@ def plain_samples(get_llm):
     return _first_three(get_llm("plain"))
 
 
+@pytest.fixture
+def patch_calls(monkeypatch):
+    """SpecPlugDrafter without vLLM: the worker patches (which import vLLM's
+    GPU model runner) replaced by a call counter."""
+    import vllm_specplug.vllm_adapter as adapter
+
+    calls = []
+    monkeypatch.setattr(adapter, "install_worker_patches", lambda: calls.append(1))
+    return calls
+
+
 @pytest.fixture(scope="session")
 def spec_bench_prompts():
     from vllm_specplug.bench.prompts import load_prompts

@@ -63,3 +63,46 @@ def serve(model_path: str, tmp_path_factory, speculative_config: dict, *extra_ar
             yield base
     except RuntimeError as e:
         pytest.fail(str(e))
+
+
+# ------------------------------------------------- the drafter without vLLM
+def fake_vllm_config(additional_config, num_speculative_tokens: int,
+                     tensor_parallel_size: int = 1, model: str = "m"):
+    """The parts of vLLM's ``VllmConfig`` our drafter reads, and nothing else
+    (tests/test_adapter_targets.py checks each name against vLLM's own)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        additional_config=additional_config,
+        speculative_config=SimpleNamespace(num_speculative_tokens=num_speculative_tokens),
+        model_config=SimpleNamespace(model=model, dtype="float32"),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tensor_parallel_size,
+                                        pipeline_parallel_size=1))
+
+
+def make_vllm_config(spec=None, **kw):
+    """``fake_vllm_config`` for a speculative config (default: sam, 4 tokens)."""
+    from vllm_specplug.config import translate
+
+    _, plugin = translate(spec or {"method": "sam", "num_speculative_tokens": 4})
+    return fake_vllm_config({"specplug": plugin}, plugin["num_speculative_tokens"], **kw)
+
+
+def arrays(histories, max_len=None):
+    """(num_tokens_no_spec, token_ids_cpu) as the runner holds them."""
+    import numpy as np
+
+    max_len = max_len or max([len(h) for h in histories] + [1]) + 8
+    token_ids = np.zeros((len(histories), max_len), dtype=np.int32)
+    for row, h in enumerate(histories):
+        token_ids[row, :len(h)] = h
+        # garbage after the committed tokens (e.g. draft slots) must be ignored
+        token_ids[row, len(h):] = 999_999
+    return np.asarray([len(h) for h in histories], dtype=np.int32), token_ids
+
+
+def step(drafter, req_ids, histories, sampled):
+    """One runner step: ``begin_step`` then ``propose`` (as the runner patch does)."""
+    drafter.begin_step(list(req_ids), None)
+    num_tokens, token_ids = arrays(histories)
+    return drafter.propose(sampled, num_tokens, token_ids)

@@ -9,8 +9,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from test_drafter_unit import make_vllm_config, patch_calls, step  # noqa: F401 (fixture)
-
+from helpers import make_vllm_config, step
 from vllm_specplug.budget import allocate_batch, best_node_count, monotone_values, subset
 from vllm_specplug.config import translate
 from vllm_specplug.options import SpecPlugConfigError

@@ -3,15 +3,14 @@ engine's prior."""
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 import vllm_specplug.vllm_adapter as adapter
+from helpers import make_vllm_config
 from vllm_specplug.budget import (CACHED_PRIOR_WEIGHT, SAVE_EVERY, StepCostModel, load_prior,
                                   save_fit)
-from vllm_specplug.config import translate
 from vllm_specplug.vllm_adapter.drafter import SpecPlugDrafter, step_cost_cache_path
 
 
@@ -44,12 +43,7 @@ def test_unusable_cache_is_ignored(tmp_path, text):
 
 
 def config(model="m", tp=1):
-    _, plugin = translate({"method": "sam", "num_speculative_tokens": 4})
-    return SimpleNamespace(
-        additional_config={"specplug": plugin},
-        speculative_config=SimpleNamespace(num_speculative_tokens=4),
-        model_config=SimpleNamespace(model=model, dtype="float32"),
-        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1))
+    return make_vllm_config(model=model, tensor_parallel_size=tp)
 
 
 def test_drafter_saves_and_next_drafter_starts_from_cache(tmp_path, monkeypatch):

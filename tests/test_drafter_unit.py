@@ -6,56 +6,23 @@ no-op; the runner's per-step call is simulated with numpy arrays.
 from __future__ import annotations
 
 import random
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 import vllm_specplug.vllm_adapter as adapter
+from helpers import arrays, fake_vllm_config, make_vllm_config, step
 from vllm_specplug.config import translate
 from vllm_specplug.proposers.base import Draft
 from vllm_specplug.proposers.sam import SamProposer
 from vllm_specplug.vllm_adapter.drafter import SpecPlugDrafter
 
-K = 4
-
-
-@pytest.fixture
-def patch_calls(monkeypatch):
-    calls = []
-    monkeypatch.setattr(adapter, "install_worker_patches", lambda: calls.append(1))
-    return calls
-
-
-def make_vllm_config(spec=None):
-    spec = spec or {"method": "sam", "num_speculative_tokens": K}
-    _, plugin = translate(spec)
-    return SimpleNamespace(
-        additional_config={"specplug": plugin},
-        speculative_config=SimpleNamespace(
-            num_speculative_tokens=plugin["num_speculative_tokens"]))
+K = 4  # helpers.make_vllm_config's default num_speculative_tokens
 
 
 @pytest.fixture
 def drafter(patch_calls):
     return SpecPlugDrafter(make_vllm_config())
-
-
-def arrays(histories, max_len=None):
-    """(num_tokens_no_spec, token_ids_cpu) as the runner holds them."""
-    max_len = max_len or max([len(h) for h in histories] + [1]) + 8
-    token_ids = np.zeros((len(histories), max_len), dtype=np.int32)
-    for row, h in enumerate(histories):
-        token_ids[row, :len(h)] = h
-        # garbage after the committed tokens (e.g. draft slots) must be ignored
-        token_ids[row, len(h):] = 999_999
-    return np.asarray([len(h) for h in histories], dtype=np.int32), token_ids
-
-
-def step(drafter, req_ids, histories, sampled):
-    drafter.begin_step(list(req_ids), None)
-    num_tokens, token_ids = arrays(histories)
-    return drafter.propose(sampled, num_tokens, token_ids)
 
 
 def fresh_draft(history, k=K, **options) -> list[int]:
@@ -101,8 +68,7 @@ def test_options_reach_the_proposer(patch_calls):
 
 def test_missing_plugin_config_is_explained(patch_calls):
     for extra in (None, {}, {"other": 1}):
-        cfg = SimpleNamespace(additional_config=extra,
-                              speculative_config=SimpleNamespace(num_speculative_tokens=4))
+        cfg = fake_vllm_config(extra, 4)
         with pytest.raises(RuntimeError, match="method"):
             SpecPlugDrafter(cfg)
 
@@ -116,8 +82,7 @@ def test_tree_proposers_install_tree_patches_and_keep_parents(patch_calls, monke
     tree_calls = []
     monkeypatch.setattr(adapter, "install_tree_patches", lambda *a: tree_calls.append(1))
     _, plugin = translate({"method": "debug_random_tree", "num_speculative_tokens": 6})
-    cfg = SimpleNamespace(additional_config={"specplug": plugin},
-                          speculative_config=SimpleNamespace(num_speculative_tokens=6))
+    cfg = fake_vllm_config({"specplug": plugin}, 6)
     d = SpecPlugDrafter(cfg)
     assert tree_calls == [1]
     d.begin_step(["a"], None)
@@ -158,9 +123,7 @@ def test_tensor_parallel_ranks_adopt_rank0_drafts_and_trees(patch_calls, monkeyp
     def rank_drafter(seed, group):
         _, plugin = translate({"method": "debug_random_tree", "num_speculative_tokens": 6,
                                "random_seed": seed})
-        cfg = SimpleNamespace(additional_config={"specplug": plugin},
-                              speculative_config=SimpleNamespace(num_speculative_tokens=6),
-                              parallel_config=SimpleNamespace(tensor_parallel_size=2))
+        cfg = fake_vllm_config({"specplug": plugin}, 6, tensor_parallel_size=2)
         d = SpecPlugDrafter(cfg)
         assert d._tp is True
         d._tp = group

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from test_drafter_unit import make_vllm_config, patch_calls, step  # noqa: F401
+from helpers import make_vllm_config, step
 from vllm_specplug.vllm_adapter import stats_export
 from vllm_specplug.vllm_adapter.drafter import SpecPlugDrafter
 

@@ -51,11 +51,9 @@ def step_cost_cache_path(vllm_config: Any) -> Path | None:
                   else f"cpu-{platform.machine()}-{os.cpu_count()}-{_cpu_model()}")
     except Exception:  # noqa: BLE001 - no device name: no cache
         return None
-    mc = getattr(vllm_config, "model_config", None)
-    pc = getattr(vllm_config, "parallel_config", None)
+    mc, pc = vllm_config.model_config, vllm_config.parallel_config
     key = "|".join(str(x) for x in (
-        device, getattr(mc, "model", None), getattr(mc, "dtype", None),
-        getattr(pc, "tensor_parallel_size", 1), getattr(pc, "pipeline_parallel_size", 1)))
+        device, mc.model, mc.dtype, pc.tensor_parallel_size, pc.pipeline_parallel_size))
     return cache_root() / "step_cost" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
 
 
@@ -73,8 +71,7 @@ class SpecPlugDrafter:
     def __init__(self, vllm_config: Any) -> None:
         from . import install_tree_patches, install_worker_patches
 
-        plugin = (getattr(vllm_config, "additional_config", None) or {}).get(
-            ADDITIONAL_CONFIG_KEY)
+        plugin = (vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
         if plugin is None:
             raise RuntimeError(
                 "vllm_specplug's drafter was selected without its configuration; select a "
@@ -136,8 +133,7 @@ class SpecPlugDrafter:
         self.step_cost_from_cache = cached is not None
         self._last_step: tuple[tuple[str, ...], int, float] | None = None
         # True: tensor parallel, group looked up at the first step; None: one rank.
-        pc = getattr(vllm_config, "parallel_config", None)
-        self._tp = True if getattr(pc, "tensor_parallel_size", 1) > 1 else None
+        self._tp = True if vllm_config.parallel_config.tensor_parallel_size > 1 else None
         install_worker_patches()
         if self.proposer.drafts_trees or self.route_chains:
             install_tree_patches(vllm_config)

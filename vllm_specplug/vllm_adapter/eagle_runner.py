@@ -87,6 +87,7 @@ class EagleRunner(TargetHook):
     def __init__(self, drafter: Any, model: Any, head_path: str) -> None:
         from ..eagle.head import load_head
 
+        # the module layout is probed: no embedding is refused, naming it
         inner = getattr(model, "model", None)
         embed = getattr(inner, "embed_tokens", None)
         if embed is None or getattr(embed, "weight", None) is None:
@@ -96,11 +97,10 @@ class EagleRunner(TargetHook):
         weight = embed.weight
         self.device = weight.device
         self.dtype = weight.dtype if weight.dtype.is_floating_point else torch.float32
-        config = getattr(getattr(drafter, "vllm_config", None), "model_config", None)
-        hf = getattr(config, "hf_text_config", None) or getattr(config, "hf_config", None)
-        vocab = int(getattr(hf, "vocab_size", 0) or 0) or int(weight.shape[0])
+        hf = drafter.vllm_config.model_config.hf_text_config
+        vocab = int(hf.vocab_size)
         hidden = int(weight.shape[1])
-        layers = getattr(hf, "num_hidden_layers", None)
+        layers = hf.num_hidden_layers
         self.head, self.config = load_head(head_path, hidden_size=hidden, vocab_size=vocab,
                                            dtype=self.dtype,
                                            num_target_layers=int(layers) if layers else None)
@@ -109,20 +109,25 @@ class EagleRunner(TargetHook):
         #: "eagle1" (target's final hidden states, target's LM head) or "eagle3"
         #: (fused auxiliary layers, the head's own norm/LM head over its
         #: draft vocabulary)
-        self.kind = getattr(self.head, "kind", "eagle1")
+        self.kind = self.head.kind
         #: target layers whose hidden states the head fuses (EAGLE-3), read
         #: by the runner patch ``GPUModelRunner._setup_eagle3_aux_hidden_state_outputs``
         self.aux_layers = tuple(self.head.needs_aux_layers) if self.kind == "eagle3" else None
         emb = _full_vocab(weight)
-        lm = getattr(model, "lm_head", None)
+        lm = model.lm_head
+        # a quantized LM head has no plain weight (refused below, naming it)
         lm_weight = getattr(lm, "weight", None)
-        tied = lm is embed or lm_weight is None or lm_weight is weight
-        if not tied and (lm_weight.dim() != 2 or lm_weight.shape[1] != hidden):
+        tied = lm is embed or lm_weight is weight
+        if not tied and (lm_weight is None or lm_weight.dim() != 2
+                         or lm_weight.shape[1] != hidden):
             raise SpecPlugConfigError(
                 f"speculative method 'eagle2': the target's LM head weight has shape "
-                f"{tuple(lm_weight.shape)}, expected [vocab, {hidden}] (quantized or repacked "
+                f"{None if lm_weight is None else tuple(lm_weight.shape)}, expected "
+                f"[vocab, {hidden}] (quantized or repacked "
                 f"LM heads are not supported)")
         self.embed_weight = emb[:vocab]
+        # EAGLE-1 heads (eagle/head.py) have no embedding of their own; an
+        # EAGLE-3 head's is None unless its folder holds one
         own_embed = getattr(self.head, "embed_tokens", None)
         if own_embed is not None:
             self.embed_weight = own_embed.weight
@@ -156,8 +161,8 @@ class EagleRunner(TargetHook):
         """One expand() call's cost relative to a target step (measured)."""
         if self._expand_seconds is None:
             return 0.0
-        step = getattr(self.drafter, "step_cost", None)
-        a = float(step.fit()[0]) if step is not None and step.samples else 0.0
+        step = self.drafter.step_cost
+        a = float(step.fit()[0]) if step.samples else 0.0
         return self._expand_seconds / a if a > 1e-4 else 0.0
 
     # ------------------------------------------------------------- features

@@ -51,11 +51,12 @@ class EarlyExitRunner(TargetHook):
         arch = type(model).__name__
         if arch not in SUPPORTED_ARCHITECTURES:
             raise SpecPlugConfigError(unsupported_message(arch))
+        # the module layout is probed: a missing piece is refused, naming it
         inner = getattr(model, "model", None)
         layers = getattr(inner, "layers", None)
         if layers is None or not hasattr(inner, "norm") or not hasattr(model, "compute_logits"):
             raise SpecPlugConfigError(unsupported_message(arch + " (unexpected module layout)"))
-        start, end = getattr(inner, "start_layer", 0), getattr(inner, "end_layer", len(layers))
+        start, end = inner.start_layer, inner.end_layer
         if start != 0 or end != len(layers):
             raise SpecPlugConfigError(
                 "speculative method 'del' needs every decoder layer in this worker; pipeline "
@@ -69,7 +70,7 @@ class EarlyExitRunner(TargetHook):
             if missing:
                 raise SpecPlugConfigError(unsupported_message(
                     f"{arch} (layer {i} has no {', '.join(missing)})"))
-            window = getattr(attn.attn, "sliding_window", None)
+            window = attn.attn.sliding_window
             if window not in (None, -1, 0):
                 raise SpecPlugConfigError(
                     f"speculative method 'del' does not support sliding-window attention "
@@ -92,7 +93,7 @@ class EarlyExitRunner(TargetHook):
     # ------------------------------------------------------------------ runner
     def _request_slots(self, req_id: str, position: int) -> torch.Tensor:
         """Cache slots of positions 0..position-1 of a request."""
-        runner = getattr(self.drafter, "runner", None)
+        runner = self.drafter.runner
         if runner is None:
             raise RuntimeError("vllm_specplug del: the drafter has no model runner yet")
         batch = runner.input_batch
@@ -122,7 +123,10 @@ class EarlyExitRunner(TargetHook):
         q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
         hq, hkv = attn.num_heads, attn.num_kv_heads
         d = attn.head_dim
-        if getattr(attn, "qk_norm", False):  # Qwen2 variants: per-head norm before RoPE
+        # Qwen2Attention sets qk_norm (per-head norm before RoPE); LlamaAttention
+        # has no such attribute and no such norm (tests/test_adapter_targets.py
+        # checks that Qwen2Attention still has it)
+        if getattr(attn, "qk_norm", False):
             q = attn.q_norm(q.reshape(-1, hq, d)).reshape(-1, hq * d)
             k = attn.k_norm(k.reshape(-1, hkv, d)).reshape(-1, hkv * d)
         q, k = attn.rotary_emb(positions, q.contiguous(), k.contiguous())
@@ -199,7 +203,7 @@ class EarlyExitRunner(TargetHook):
         if first_kv.device.type == "cpu":
             from . import cpu_kv
 
-            isa = getattr(self.layers[0].self_attn.attn, "isa", "vec")
+            isa = self.layers[0].self_attn.attn.isa  # set by vLLM's CPU attention backend
             cpu_kv.check_isa(isa)
         ctx: dict = {}
         draft_kv: dict = {}
@@ -255,20 +259,18 @@ class EarlyExitRunner(TargetHook):
 
 def _head_cost(model: Any, layer: Any) -> float:
     """The LM head's weights over one decoder layer's (this rank's shares)."""
-    head = getattr(model, "lm_head", None)
-    weight = getattr(head, "weight", None)
+    from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+    weight = model.lm_head.weight
     # vLLM's linear layers know their shard's shape even where the CPU
     # backend repacked their weights (layer.parameters() then holds only the
     # norms: a ratio of ~24,576 instead of ~8 for SmolLM2 was seen)
-    layer_params = 0
-    for m in layer.modules():
-        n_in = getattr(m, "input_size_per_partition", None)
-        n_out = getattr(m, "output_size_per_partition", None)
-        if n_in and n_out:
-            layer_params += int(n_in) * int(n_out)
+    layer_params = sum(int(m.input_size_per_partition) * int(m.output_size_per_partition)
+                       for m in layer.modules()
+                       if isinstance(m, (ColumnParallelLinear, RowParallelLinear)))
     if layer_params == 0:
         layer_params = sum(p.numel() for p in layer.parameters())
-    if weight is None or layer_params == 0:
+    if layer_params == 0:
         return 0.0
     return float(weight.numel()) / float(layer_params)
 

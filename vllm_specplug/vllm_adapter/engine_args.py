@@ -111,9 +111,9 @@ def make_create_speculative_config(original):
 
             check_watermark(self.watermark_config)
             check_pipeline_parallel(
-                plugin, getattr(target_parallel_config, "pipeline_parallel_size", 1))
+                plugin, target_parallel_config.pipeline_parallel_size)
             check_tensor_parallel(
-                plugin, getattr(target_parallel_config, "tensor_parallel_size", 1))
+                plugin, target_parallel_config.tensor_parallel_size)
             from .cuda_checks import check_tree_model
 
             check_tree_model(plugin, target_model_config)

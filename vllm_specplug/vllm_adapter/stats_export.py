@@ -50,11 +50,11 @@ class _Exporter:
     def _resolve_rank(self, drafter: Any) -> None:
         # the drafter's _tp: None (one rank), True (tensor parallel, group not
         # looked up yet: write as rank 0 for now) or the group
-        tp = getattr(drafter, "_tp", None)
+        tp = drafter._tp
         if tp is True:
             return
         self.rank_resolved = True
-        self.rank = int(getattr(tp, "rank_in_group", 0) or 0) if tp is not None else 0
+        self.rank = int(tp.rank_in_group) if tp is not None else 0
         if self.rank > 0:
             self.path = f"{self.path}.rank{self.rank}"
 
@@ -63,7 +63,7 @@ class _Exporter:
             self._resolve_rank(drafter)
         self.writes += 1
         obj = {"pid": os.getpid(), "rank": self.rank, "time": time.time(),
-               "writes": self.writes, "method": getattr(drafter, "method", None),
+               "writes": self.writes, "method": drafter.method,
                **drafter.stats()}
         tmp = f"{self.path}.tmp{os.getpid()}"
         with open(tmp, "w") as f:

@@ -11,6 +11,7 @@ class UnsupportedVLLMVersion(RuntimeError):
 def vllm_version() -> str:
     import vllm
 
+    # no version attribute: "unknown", which check_vllm_version refuses (loud)
     return getattr(vllm, "__version__", "unknown")
 
 
