@@ -593,3 +593,18 @@ def test_server_keeps_serving_while_bad_requests_arrive(server, reference):
     drafts = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
                  if line.startswith("vllm:spec_decode_num_drafts_total"))
     assert drafts > 0
+
+
+# ------------------------------------------------- sam's global store (issue 20)
+@pytest.mark.parametrize("method, key, value, must", [
+    ("sam", "sam_global_tokens", 500, "use 0 (no global store) or at least 1024, got 500"),
+    ("sam_tr", "sam_global_tokens", 1, "use 0 (no global store) or at least 1024, got 1"),
+    ("sam", "sam_global_tokens", -1, "must be >= 0, got -1"),
+    ("sam", "sam_global_tokens", 1 << 29, "must be <= 268435456"),
+    ("sam", "sam_global_tokens", "1M", "must be an integer, got '1M'"),
+    ("sam", "sam_global_prompts", "yes", "must be true or false, got 'yes'"),
+    ("sam", "sam_corpus_bias", "auto", "must be an integer, got 'auto'"),
+])
+def test_bad_global_store_options(method, key, value, must):
+    _bad({"method": method, key: value}, f"speculative_config[{key!r}] for method {method!r}",
+         must)

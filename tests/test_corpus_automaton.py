@@ -222,7 +222,8 @@ DOC = list(range(10, 40))
 def test_sam_drafts_the_corpus_continuation_for_a_novel_prompt(tmp_path):
     path = tmp_path / "c.sam"
     build_corpus_automaton([[5, 6, 7], DOC], EOS, IDENTITY, path, progress=False)
-    prop = SamProposer(8, sam_corpus=str(path), sam_min_accept_prob=0.0)
+    prop = SamProposer(8, sam_corpus=str(path), sam_min_accept_prob=0.0, sam_corpus_bias=5,
+                       sam_global_tokens=0)
     prompt = [50, 51] + DOC[:7]                   # novel text, 7 tokens of DOC
     prop.start("r", prompt)
     assert prop._automata["r"].match_len == 0
@@ -253,7 +254,8 @@ def test_sam_tr_threshold_uses_the_effective_length(tmp_path):
     path = tmp_path / "c.sam"
     build_corpus_automaton([DOC], EOS, IDENTITY, path, progress=False)
     p = SamTokenRecyclingProposer(8, sam_tr_threshold=3, sam_corpus=str(path),
-                                  sam_min_accept_prob=0.0, tr_prompt_bigrams=False)
+                                  sam_corpus_bias=5, sam_min_accept_prob=0.0,
+                                  tr_prompt_bigrams=False)
     p.start("a", [50] + DOC[:8])                  # static 8 - bias 5 = 3
     assert p.match_len("a") == 3
     d = p.propose("a", 8)

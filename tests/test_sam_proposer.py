@@ -21,7 +21,8 @@ CTX = [1, 2, 3, 4, 5, 1, 2, 3]  # match [1, 2, 3] (length 3), then 4 5 1 2 3 fol
 FIRST = {"sam_continuation": "first", "sam_min_accept_prob": 0.0}
 DEFAULTS = {"sam_continuation": "frequent", "sam_min_match_len": 1,
             "sam_min_accept_prob": 0.1, "sam_min_token_prob": 0.0, "sam_spec_factor": 4.0,
-            "sam_corpus": "", "sam_corpus_bias": 5}
+            "sam_corpus": "", "sam_corpus_bias": None, "sam_global_tokens": 500_000,
+            "sam_global_prompts": False}
 # On CTX every earlier occurrence has a single continuation, so both ways of
 # continuing draft the same tokens as far as "first" goes (and a fresh acceptance
 # table cuts nothing): "first" copies the 5 tokens after [1, 2, 3] and stops at
@@ -544,7 +545,8 @@ WRONG_OUT = [tok for i in range(1, 80) for tok in (A, 1000 + i)]
                                    "sam_min_accept_prob": 0.15}],
                          ids=["first", "frequent"])
 def test_learned_cut_shrinks_drafts_that_are_always_wrong(opts):
-    prop = RecordingSam(8, **opts)
+    # no global store: the next request below would draft from WRONG_OUT there
+    prop = RecordingSam(8, sam_global_tokens=0, **opts)
     res = replay(prop, WRONG_PROMPT, WRONG_OUT, 8)
     assert res["accepted"] == 0 and res["steps"] == res["generated"] == len(WRONG_OUT)
     assert {m for m, _ in prop.log} == {0, 1}

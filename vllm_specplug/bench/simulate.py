@@ -33,6 +33,21 @@ def replay(proposer: Proposer, prompt_ids: Sequence[int], output_ids: Sequence[i
         accepted += n - 1
         pos += n
         steps += 1
+    proposer.complete(req_id)
     proposer.finish(req_id)
     return {"generated": len(out), "steps": steps, "accepted": accepted,
             "draft_tokens": draft_tokens, "drafts": drafts}
+
+
+def replay_many(proposer: Proposer, requests: Sequence[tuple[Sequence[int], Sequence[int]]],
+                budget: int) -> dict:
+    """``replay`` of (prompt ids, output ids) pairs one after another with one
+    proposer (batch size 1: each request finishes before the next starts, so
+    what a proposer keeps across requests is used); totals and tau."""
+    total = {"generated": 0, "steps": 0, "accepted": 0, "draft_tokens": 0, "drafts": 0}
+    for i, (prompt, output) in enumerate(requests):
+        res = replay(proposer, prompt, output, budget, req_id=f"r{i}")
+        for key in total:
+            total[key] += res[key]
+    total["tau"] = total["generated"] / total["steps"] if total["steps"] else 1.0
+    return total

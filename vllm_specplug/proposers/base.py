@@ -171,6 +171,11 @@ class Proposer(ABC):
         cut the rest. Proposers that learn from their drafts' acceptance must
         not count the dropped nodes as rejected."""
 
+    def complete(self, req_id: str) -> None:
+        """The request finished or was aborted (not preempted): what it committed
+        is final. Called once, just before ``finish``; a proposer that learns
+        across requests (``sam``'s global store) takes its tokens here."""
+
     @abstractmethod
     def finish(self, req_id: str) -> None:
         """Free a request's state (finished, aborted or preempted)."""

@@ -165,14 +165,17 @@ def _new_state(length, link, first, st_len, st_link, st_first, head, counts):
 
 
 @numba.njit(cache=True)
-def _split(p, q, token, st_len, st_link, st_first, head, e_tok, e_tgt, e_next,
+def _split(p, q, token, st_len, st_link, st_first, st_cnt, head, e_tok, e_tgt, e_next,
            h_keys, h_edges, counts):
-    """Clone q as a state of length len(p)+1 (q's first occurrence, q's edges),
-    redirect p and its suffix-link ancestors from q to the clone; -1 when full."""
+    """Clone q as a state of length len(p)+1 (q's first occurrence, q's edges,
+    q's occurrence count when ``st_cnt`` is kept, i.e. not empty), redirect p
+    and its suffix-link ancestors from q to the clone; -1 when full."""
     clone = _new_state(st_len[p] + 1, st_link[q], st_first[q], st_len, st_link, st_first,
                        head, counts)
     if clone < 0:
         return -1
+    if st_cnt.size:
+        st_cnt[clone] = st_cnt[q]
     e = head[q]
     while e != -1:
         if not _add_edge(clone, e_tok[e], e_tgt[e], head, e_tok, e_tgt, e_next,
@@ -190,21 +193,25 @@ def _split(p, q, token, st_len, st_link, st_first, head, e_tok, e_tgt, e_next,
 
 
 @numba.njit(cache=True)
-def _insert_token(last, pos, t, st_len, st_link, st_first, head, e_tok, e_tgt, e_next,
+def _insert_token(last, pos, t, st_len, st_link, st_first, st_cnt, head, e_tok, e_tgt, e_next,
                   h_keys, h_edges, counts):
     """Extend the document ending in state ``last`` by token t (at corpus
-    position pos); the new last state, or -1 when the arrays are full."""
+    position pos); the new last state, or -1 when the arrays are full.
+    ``st_cnt`` (empty: not kept) gets 0 for a new state and q's count for a
+    clone of q; the caller counts the new occurrence."""
     e = _find_edge(h_keys, h_edges, last, t)
     if e >= 0:
         # The extended string already occurs (in an earlier document).
         q = e_tgt[e]
         if st_len[last] + 1 == st_len[q]:
             return q
-        return _split(last, q, t, st_len, st_link, st_first, head, e_tok, e_tgt, e_next,
-                      h_keys, h_edges, counts)
+        return _split(last, q, t, st_len, st_link, st_first, st_cnt, head, e_tok, e_tgt,
+                      e_next, h_keys, h_edges, counts)
     cur = _new_state(st_len[last] + 1, 0, pos, st_len, st_link, st_first, head, counts)
     if cur < 0:
         return -1
+    if st_cnt.size:
+        st_cnt[cur] = 0
     p = last
     while p != -1:
         e = _find_edge(h_keys, h_edges, p, t)
@@ -218,8 +225,8 @@ def _insert_token(last, pos, t, st_len, st_link, st_first, head, e_tok, e_tgt, e
         if st_len[p] + 1 == st_len[q]:
             st_link[cur] = q
         else:
-            clone = _split(p, q, t, st_len, st_link, st_first, head, e_tok, e_tgt, e_next,
-                           h_keys, h_edges, counts)
+            clone = _split(p, q, t, st_len, st_link, st_first, st_cnt, head, e_tok, e_tgt,
+                           e_next, h_keys, h_edges, counts)
             if clone < 0:
                 return -1
             st_link[cur] = clone
@@ -235,14 +242,16 @@ def _insert_tokens(corpus, doc_bounds, cursor, max_tokens, st_len, st_link, st_f
     num_docs = doc_bounds.size - 1
     d, pos, last = cursor[0], cursor[1], cursor[2]
     done = 0
+    no_counts = np.zeros(0, dtype=np.int32)  # the static automaton keeps no counts
     while d < num_docs and done < max_tokens:
         if pos >= doc_bounds[d + 1] - 1:   # the document's EOS: the next one
             d += 1
             pos = doc_bounds[d]
             last = 0
             continue
-        last = _insert_token(last, pos, corpus[pos], st_len, st_link, st_first, head,
-                             e_tok, e_tgt, e_next, h_keys, h_edges, counts)
+        last = _insert_token(last, pos, corpus[pos], st_len, st_link, st_first,
+                             no_counts, head, e_tok, e_tgt, e_next, h_keys, h_edges,
+                             counts)
         if last < 0:
             return False
         pos += 1

@@ -19,11 +19,25 @@ and long matches draft up to ``num_speculative_tokens``.
 Static corpus automata (``sam_corpus``, files from ``specplug build-sam``; see
 ``corpus_automaton``) are shared read-only by all requests; each request keeps
 one (state, length) match per file, advanced with the same committed tokens.
-A step drafts from the static match when its length minus
-``sam_corpus_bias`` exceeds the request's own match length: the corpus
-tokens after the match's first occurrence, cut by a separate acceptance
-estimate. That effective length (``match_len``) is what ``sam_tr`` compares
-with its threshold.
+Their draft is the corpus tokens after the match's first occurrence.
+
+The global store (``sam_global_tokens`` > 0; ``global_store``) holds the
+outputs (and, with ``sam_global_prompts``, the prompts) of this worker's
+recently finished requests, added when a request finishes (``complete``),
+never before, a step's finished requests in request-id order. Each request
+keeps its own matches in it.
+
+Each step has up to three candidate drafts: the request's own automaton
+("dynamic"), the global store ("global") and the static corpus ("static").
+Each source keeps its own acceptance estimate per match length and position
+(fed by ``observe``); the step drafts from the source whose draft, cut where
+its estimate falls below ``sam_min_accept_prob``, has the highest expected
+accepted length (the sum of the estimates over the kept positions; ties:
+dynamic, global, static). ``sam_corpus_bias`` set to a number restores the
+fixed rule for the static corpus: its draft is used when its match length
+minus the bias exceeds the request's own match length. ``match_len`` (what
+``sam_tr`` compares with its threshold) is the chosen source's match length
+(with the bias rule: the static length minus the bias when that is longer).
 """
 from __future__ import annotations
 
@@ -34,6 +48,7 @@ import numpy as np
 
 from ..options import Option, SpecPlugConfigError
 from .base import Draft, Proposer, TargetTopK
+from .global_store import GlobalMatch, GlobalStore
 from .suffix_automaton import SuffixAutomaton
 
 # Occurrence counts are kept for the 32 longest suffixes of each new token.
@@ -47,6 +62,12 @@ EXPLORE_EVERY = 16
 # Acceptance counts are halved when a bucket has seen this many drafts, so the
 # estimate follows the workload.
 STATS_HORIZON = 4096
+# Draft sources, in the order that breaks ties of expected accepted length.
+SOURCES = ("dynamic", "global", "static")
+# sam_global_tokens: 0 (off) or at least this many tokens.
+MIN_GLOBAL_TOKENS = 1024
+# Prompt lengths of requests not yet finished; the oldest are forgotten past this.
+MAX_TRACKED_PROMPTS = 1 << 16
 
 
 class AcceptanceByMatchLength:
@@ -66,13 +87,17 @@ class AcceptanceByMatchLength:
         b = self.bucket(match_len)
         return (self.accepted[b] + 1.0) / (self.tried[b] + 2.0)
 
+    def kept(self, match_len: int, n: int, min_prob: float) -> int:
+        """Positions before the first whose estimate < min_prob (no side effect)."""
+        below = np.flatnonzero(self.prob(match_len)[:n] < min_prob)
+        return n if below.size == 0 else int(below[0])
+
     def cut(self, match_len: int, n: int, min_prob: float) -> int:
         """Draft length: positions before the first whose estimate < min_prob
         (one more on every EXPLORE_EVERY-th proposal of the bucket)."""
         b = self.bucket(match_len)
         self.proposals[b] += 1
-        below = np.flatnonzero(self.prob(match_len)[:n] < min_prob)
-        keep = n if below.size == 0 else int(below[0])
+        keep = self.kept(match_len, n, min_prob)
         if keep < n and self.proposals[b] % EXPLORE_EVERY == 0:
             keep += 1
         return keep
@@ -98,6 +123,12 @@ def open_corpora(value: str) -> list:
     from .corpus_automaton import open_corpus_automaton  # numba: only when used
 
     return [open_corpus_automaton(p) for p in corpus_paths(value)]
+
+
+def _check_global_tokens(value: int) -> str | None:
+    if 0 < value < MIN_GLOBAL_TOKENS:
+        return f"use 0 (no global store) or at least {MIN_GLOBAL_TOKENS}, got {value}"
+    return None
 
 
 def _check_corpus(value: str) -> str | None:
@@ -133,9 +164,17 @@ class SamProposer(Proposer):
         Option("sam_corpus", str, "",
                "static corpus automata (files from `specplug build-sam`, built with the "
                "model's tokenizer), comma-separated; empty: none", check=_check_corpus),
-        Option("sam_corpus_bias", int, 5,
-               "draft from a static corpus match only when its length minus this exceeds "
-               "the request's own match length", minimum=0, maximum=1024),
+        Option("sam_corpus_bias", int, None,
+               "unset: choose between the request's own, global and static corpus drafts "
+               "by expected accepted length; a number: draft from a static corpus match "
+               "only when its length minus this exceeds the request's own match length",
+               minimum=0, maximum=1024),
+        Option("sam_global_tokens", int, 500_000,
+               "tokens kept in the worker's global store of finished requests' outputs "
+               "(about 110 bytes a token; 0: no global store)", minimum=0,
+               maximum=1 << 28, check=_check_global_tokens),
+        Option("sam_global_prompts", bool, False,
+               "also add finished requests' prompts to the global store"),
     )
 
     @classmethod
@@ -164,7 +203,8 @@ class SamProposer(Proposer):
     def __init__(self, num_speculative_tokens: int, sam_continuation: str = "frequent",
                  sam_min_match_len: int = 1, sam_min_accept_prob: float = 0.1,
                  sam_min_token_prob: float = 0.0, sam_spec_factor: float = 4.0,
-                 sam_corpus: str = "", sam_corpus_bias: int = 5) -> None:
+                 sam_corpus: str = "", sam_corpus_bias: int | None = None,
+                 sam_global_tokens: int = 500_000, sam_global_prompts: bool = False) -> None:
         self.num_speculative_tokens = int(num_speculative_tokens)
         self.continuation = sam_continuation
         self.min_match_len = int(sam_min_match_len)
@@ -172,7 +212,19 @@ class SamProposer(Proposer):
         self.min_token_prob = float(sam_min_token_prob)
         self.spec_factor = float(sam_spec_factor)
         self.corpora = open_corpora(sam_corpus)
-        self.corpus_bias = int(sam_corpus_bias)
+        self.corpus_bias = None if sam_corpus_bias is None else int(sam_corpus_bias)
+        self.global_store = GlobalStore(sam_global_tokens) if sam_global_tokens else None
+        self.global_prompts = bool(sam_global_prompts)
+        # req_id -> the request's matches in the global store
+        self._global_matches: dict[str, GlobalMatch] = {}
+        # req_id -> context length at its first start (the prompt and the first
+        # output token); kept over preemptions, dropped when it completes
+        self._prompt_len: dict[str, int] = {}
+        # (req_id, tokens) of requests finished since the last step, added to
+        # the global store (in req_id order) before the next draft
+        self._completed: list[tuple[str, list[int]]] = []
+        # req_id -> (budget, source, match length, tokens) chosen this step
+        self._choice: dict[str, tuple[int, str, int, list[int]]] = {}
         self._count_depth = COUNT_DEPTH if sam_continuation == "frequent" else 0
         self._automata: dict[str, SuffixAutomaton] = {}
         # req_id -> one (state, length) match per static corpus automaton
@@ -181,15 +233,30 @@ class SamProposer(Proposer):
         self._pending: dict[str, tuple[str, int, list[int]]] = {}
         self.acceptance = AcceptanceByMatchLength(self.num_speculative_tokens)
         self.static_acceptance = AcceptanceByMatchLength(self.num_speculative_tokens)
-        self.stats = {f"{source}_{what}": 0 for source in ("dynamic", "static")
+        self.global_acceptance = AcceptanceByMatchLength(self.num_speculative_tokens)
+        self.stats = {f"{source}_{what}": 0 for source in SOURCES
+                      if source != "global" or self.global_store is not None
                       for what in ("drafts", "tokens", "accepted")}
+
+    def _table(self, source: str) -> AcceptanceByMatchLength:
+        if source == "static":
+            return self.static_acceptance
+        return self.global_acceptance if source == "global" else self.acceptance
 
     def start(self, req_id: str, token_ids: Sequence[int]) -> None:
         self._pending.pop(req_id, None)
+        self._choice.pop(req_id, None)
         self._automata[req_id] = SuffixAutomaton(token_ids, count_depth=self._count_depth)
         if self.corpora:
             self._corpus_matches[req_id] = [c.advance_many(0, 0, token_ids)
                                             for c in self.corpora]
+        if self.global_store is not None:
+            self._add_completed()
+            if req_id not in self._prompt_len:
+                if len(self._prompt_len) >= MAX_TRACKED_PROMPTS:
+                    del self._prompt_len[next(iter(self._prompt_len))]
+                self._prompt_len[req_id] = len(token_ids)
+            self._global_matches[req_id] = GlobalMatch()
 
     def observe(self, req_id: str, committed_ids: Sequence[int],
                 target_topk: TargetTopK | None = None) -> None:
@@ -199,14 +266,34 @@ class SamProposer(Proposer):
             a = 0
             while a < len(draft) and a < len(committed_ids) - 1 and draft[a] == committed_ids[a]:
                 a += 1
-            table = self.static_acceptance if source == "static" else self.acceptance
-            table.update(match_len, len(draft), a)
+            self._table(source).update(match_len, len(draft), a)
             self.stats[f"{source}_accepted"] += a
+        self._choice.pop(req_id, None)
         self._automata[req_id].extend(committed_ids)
         if self.corpora:
             matches = self._corpus_matches[req_id]
             for i, c in enumerate(self.corpora):
                 matches[i] = c.advance_many(*matches[i], committed_ids)
+        if self.global_store is not None:
+            self.global_store.advance(self._global_matches[req_id], committed_ids)
+
+    def complete(self, req_id: str) -> None:
+        """The request finished: its output (with ``sam_global_prompts``, all
+        its tokens) goes to the global store before the next draft."""
+        prompt_len = self._prompt_len.pop(req_id, None)
+        sa = self._automata.get(req_id)
+        if self.global_store is None or sa is None:
+            return
+        start = 0 if self.global_prompts or prompt_len is None else max(prompt_len - 1, 0)
+        tokens = sa.tokens[start:].tolist()
+        if tokens:
+            self._completed.append((req_id, tokens))
+
+    def _add_completed(self) -> None:
+        if self._completed:
+            for _, tokens in sorted(self._completed, key=lambda c: c[0]):
+                self.global_store.add(tokens)
+            self._completed.clear()
 
     def _static_match(self, req_id: str) -> tuple[int, int, int]:
         """(corpus index, state, length) of the longest static match (-1: none)."""
@@ -217,37 +304,97 @@ class SamProposer(Proposer):
         return best
 
     def match_len(self, req_id: str) -> int:
-        """Effective match length: the request's own, or a static corpus match's
-        length minus ``sam_corpus_bias`` if that is longer."""
-        return max(self._automata[req_id].match_len,
-                   self._static_match(req_id)[2] - self.corpus_bias)
+        """Effective match length: that of the source the next draft comes from
+        (with ``sam_corpus_bias`` set: the static length minus the bias when
+        that is longer)."""
+        if self.corpus_bias is not None:
+            own = max(self._automata[req_id].match_len,
+                      self._candidate(req_id, "global", 0)[0])
+            return max(own, self._static_match(req_id)[2] - self.corpus_bias)
+        return self._choose(req_id, self.num_speculative_tokens)[1]
+
+    def _candidate(self, req_id: str, source: str, budget: int) -> tuple[int, list[int]]:
+        """(match length, draft tokens before the acceptance cut) of one source."""
+        if source == "dynamic":
+            sa = self._automata[req_id]
+            length = sa.match_len
+            if length < self.min_match_len:
+                return length, []
+            if self.continuation == "frequent":
+                tokens, _ = sa.frequent_continuation(budget, self.min_token_prob,
+                                                     self.min_match_len)
+            else:
+                n = min(budget, max(1, math.ceil(self.spec_factor * length)))
+                _, tokens = sa.continuation(n, self.min_match_len)
+            return length, tokens
+        if source == "static":
+            corpus, state, length = self._static_match(req_id)
+            if length < self.min_match_len:
+                return length, []
+            return length, self.corpora[corpus].continuation(state, length, budget).tolist()
+        store = self.global_store
+        if store is None or not store.segments:
+            return 0, []
+        match = self._global_matches[req_id]
+        store.refresh(match, self._automata[req_id].tokens)
+        segment, state, length = store.best(match)
+        if length < self.min_match_len or budget <= 0:
+            return length, []
+        n = budget if self.continuation == "frequent" else min(
+            budget, max(1, math.ceil(self.spec_factor * length)))
+        return length, store.continuation(segment, state, n, self.continuation,
+                                          self.min_token_prob, self.min_match_len)
+
+    def _expected(self, source: str, length: int, tokens: list[int]) -> tuple[float, float]:
+        """(expected accepted tokens of the cut draft, first token's estimate)."""
+        if not tokens:
+            return -1.0, -1.0
+        prob = self._table(source).prob(length)
+        n = len(tokens)
+        if self.min_accept_prob > 0:
+            n = self._table(source).kept(length, n, self.min_accept_prob)
+        return float(prob[:n].sum()), float(prob[0])
+
+    def _choose(self, req_id: str, budget: int) -> tuple[str, int, list[int]]:
+        """(source, match length, tokens) of this step's draft before the cut."""
+        cached = self._choice.get(req_id)
+        if cached is not None and cached[0] == budget:
+            return cached[1:]
+        if self.global_store is not None:
+            self._add_completed()
+        sources = [s for s in SOURCES if s != "static" or self.corpora]
+        best = ("dynamic", self._automata[req_id].match_len, [])
+        if self.corpus_bias is not None and self.corpora:
+            # the fixed rule: a long enough static match first
+            own = self._automata[req_id].match_len
+            static_len = self._static_match(req_id)[2]
+            if static_len - self.corpus_bias > max(own, self.min_match_len - 1):
+                length, tokens = self._candidate(req_id, "static", budget)
+                if tokens:
+                    best = ("static", length, tokens)
+            sources.remove("static")
+        if best[0] != "static":
+            score = (-2.0, -2.0)
+            for source in sources:
+                length, tokens = self._candidate(req_id, source, budget)
+                value = self._expected(source, length, tokens)
+                if value > score:
+                    score, best = value, (source, length, tokens)
+        self._choice[req_id] = (budget, *best)
+        return best
 
     def propose(self, req_id: str, budget: int) -> Draft:
         budget = min(budget, self.num_speculative_tokens)
         if budget <= 0:
             return Draft.empty()
-        length = self._automata[req_id].match_len
-        corpus, state, static_len = self._static_match(req_id)
-        if static_len - self.corpus_bias > max(length, self.min_match_len - 1):
-            tokens = self.corpora[corpus].continuation(state, static_len, budget).tolist()
-            draft = self._chain(req_id, "static", static_len, tokens)
-            if len(draft):
-                return draft
-        if length < self.min_match_len:
-            return Draft.empty()
-        sa = self._automata[req_id]
-        if self.continuation == "frequent":
-            tokens, _ = sa.frequent_continuation(budget, self.min_token_prob,
-                                                 self.min_match_len)
-        else:
-            n = min(budget, max(1, math.ceil(self.spec_factor * length)))
-            _, tokens = sa.continuation(n, self.min_match_len)
-        return self._chain(req_id, "dynamic", length, tokens)
+        source, length, tokens = self._choose(req_id, budget)
+        self._choice.pop(req_id, None)
+        return self._chain(req_id, source, length, tokens)
 
     def _chain(self, req_id: str, source: str, match_len: int, tokens: list[int]) -> Draft:
         """The draft ``tokens`` cut by the source's learned acceptance; remembered
         for ``observe``."""
-        table = self.static_acceptance if source == "static" else self.acceptance
+        table = self._table(source)
         if self.min_accept_prob > 0 and tokens:
             tokens = tokens[: table.cut(match_len, len(tokens), self.min_accept_prob)]
         if not tokens:
@@ -272,15 +419,23 @@ class SamProposer(Proposer):
         self._automata.pop(req_id, None)
         self._corpus_matches.pop(req_id, None)
         self._pending.pop(req_id, None)
+        self._global_matches.pop(req_id, None)
+        self._choice.pop(req_id, None)
 
     def active_requests(self) -> int:
         return len(self._automata)
 
     def state_nbytes(self) -> int:
         matches = 16 * len(self.corpora) * len(self._corpus_matches)
+        matches += sum(48 * len(m.per_segment) for m in self._global_matches.values())
         return sum(sa.nbytes() for sa in self._automata.values()) + matches
 
     def debug_stats(self) -> dict:
         """Drafts, drafted tokens and accepted tokens from the request's own
-        automaton ("dynamic") and from static corpus automata ("static")."""
-        return dict(self.stats)
+        automaton ("dynamic"), the global store ("global") and static corpus
+        automata ("static"); with a global store, its size too."""
+        out = dict(self.stats)
+        if self.global_store is not None:
+            out["global_store_tokens"] = self.global_store.num_tokens
+            out["global_store_bytes"] = self.global_store.resident_nbytes()
+        return out

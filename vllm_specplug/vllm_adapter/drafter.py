@@ -335,8 +335,10 @@ class SpecPlugDrafter:
             self.trees.pop(req_id, None)
 
     def finish_request(self, req_id: str) -> None:
-        """The request finished or was aborted (runner hook)."""
+        """The request finished or was aborted (runner hook; preempted requests
+        only leave the batch and are freed by ``_forget``)."""
         if req_id in self._seen:
+            self.proposer.complete(req_id)
             self._forget(req_id)
 
     def _forget(self, req_id: str) -> None:

@@ -1,0 +1,347 @@
+"""A bounded store of committed outputs shared by all requests of a worker.
+
+``sam``'s third draft source (next to the request's own automaton and the
+static corpus): what earlier requests produced, so a new request can draft
+from it (Arctic Inference's SuffixDecoding keeps such a global tree).
+
+Structure: a ring of ``num_segments`` generalized suffix automata. Each
+segment holds whole documents (one finished request's output, optionally its
+prompt) inserted from the root, so a match never spans two documents; its
+arrays are preallocated for ``segment_tokens = max_tokens // num_segments``
+tokens (the worst-case 2 states and 3 transitions a token, as
+``corpus_automaton``'s builder, whose numba insertion it reuses; untouched
+pages of ``np.empty`` cost no memory). Only the newest segment grows. When a
+document does not fit in it, a new segment starts, and when that makes one
+segment too many the oldest is dropped whole: eviction frees arrays and never
+rebuilds anything, and the store keeps the newest documents, at most
+``max_tokens`` tokens and, once full, more than ``max_tokens - 2 *
+segment_tokens``. A document longer than a segment keeps its last
+``segment_tokens`` tokens.
+
+Matching: each request keeps one (state, length) per segment, advanced with
+its committed tokens (a hash-table transition lookup per token and segment).
+A segment that received documents since a request's match was computed
+(``version``) is re-matched from the last ``window`` tokens of the request's
+context; a sealed segment never changes, so its match is exact over the whole
+context. The draft continues from the segment with the longest match (the
+newest on a tie): its most frequent continuations (occurrence counts, kept
+for the ``count_depth`` longest suffixes of each inserted token, as
+``SuffixAutomaton``), or the tokens after the match's first occurrence.
+
+Documents are added by the caller in a deterministic order (``SamProposer``
+adds a step's finished requests sorted by request id), so every process that
+sees the same finished requests holds the same store.
+
+No vLLM import: a plain algorithm, property-tested against brute force
+(tests/test_global_store.py).
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Sequence
+
+import numba
+import numpy as np
+
+from .corpus_automaton import _find_edge, _insert_token, _new_state
+
+#: Separator after each document in a segment's token array (never a token id).
+SEPARATOR = -1
+#: Segments in the ring (the newest grows; the oldest is dropped whole).
+DEFAULT_SEGMENTS = 4
+#: Occurrence counts are kept for this many longest suffixes of each token.
+DEFAULT_COUNT_DEPTH = 32
+#: A stale match is recomputed from this many last context tokens.
+DEFAULT_WINDOW = 128
+
+
+# ------------------------------------------------------------------ numba
+@numba.njit(cache=True)
+def _add_document(doc, corpus, start, depth, st_len, st_link, st_first, st_cnt, head,
+                  e_tok, e_tgt, e_next, h_keys, h_edges, counts):
+    """Insert ``doc`` from the root at corpus position ``start`` (then the
+    separator); count each token's occurrence in its ``depth + 1`` longest
+    suffixes. False when the arrays are full (cannot happen when sized for the
+    segment's tokens)."""
+    last = 0
+    for i in range(doc.size):
+        t = doc[i]
+        corpus[start + i] = t
+        last = _insert_token(last, start + i, t, st_len, st_link, st_first, st_cnt, head,
+                             e_tok, e_tgt, e_next, h_keys, h_edges, counts)
+        if last < 0:
+            return False
+        st_cnt[last] += 1
+        v = st_link[last]
+        for _ in range(depth):
+            if v <= 0:
+                break
+            st_cnt[v] += 1
+            v = st_link[v]
+    corpus[start + doc.size] = SEPARATOR
+    return True
+
+
+@numba.njit(cache=True)
+def _advance(h_keys, h_edges, e_tgt, st_link, st_len, state, length, tokens):
+    """The match (state, length) extended by each of ``tokens`` in turn: the
+    longest suffix of (matched text + token) that occurs in a document."""
+    for i in range(tokens.size):
+        t = tokens[i]
+        while True:
+            e = _find_edge(h_keys, h_edges, state, t)
+            if e >= 0:
+                state = e_tgt[e]
+                length += 1
+                break
+            if state == 0:
+                length = 0
+                break
+            state = st_link[state]
+            length = st_len[state]
+    return state, length
+
+
+@numba.njit(cache=True)
+def _frequent(head, e_tok, e_tgt, e_next, st_cnt, st_link, st_len, state, k, min_prob,
+              min_match, out):
+    """Walk from ``state`` taking the most frequent next token (the smallest id
+    on a tie) while its share is at least ``min_prob``; a state with no
+    continuation (all its occurrences end documents) continues its longest
+    shorter suffix that has one, while that is at least ``min_match`` long.
+    Writes up to k tokens to ``out``; returns how many."""
+    n = 0
+    s = state
+    while n < k:
+        e = head[s]
+        while e == -1:
+            s = st_link[s]
+            if s <= 0 or st_len[s] < min_match:
+                return n
+            e = head[s]
+        best_t, best_s, best_c, total = -1, -1, -1, 0
+        while e != -1:
+            c = st_cnt[e_tgt[e]]
+            total += c
+            if c > best_c or (c == best_c and e_tok[e] < best_t):
+                best_t, best_s, best_c = e_tok[e], e_tgt[e], c
+            e = e_next[e]
+        if total <= 0 or best_c < min_prob * total:
+            return n
+        out[n] = best_t
+        n += 1
+        s = best_s
+    return n
+
+
+# --------------------------------------------------------------- segments
+def _hash_capacity(max_edges: int) -> int:
+    return 1 << max(4, int(np.ceil(np.log2(max_edges * 1.3 + 16))))
+
+
+class _Segment:
+    """One generalized suffix automaton with room for ``capacity`` tokens."""
+
+    _ids = itertools.count()
+
+    def __init__(self, capacity: int, count_depth: int) -> None:
+        self.id = next(self._ids)
+        self.capacity = int(capacity)
+        self.count_depth = int(count_depth)
+        self.num_tokens = 0      # document tokens held (separators not counted)
+        self.num_documents = 0
+        self.version = 0         # documents added so far (a match older than this is stale)
+        self.corpus_len = 0      # used positions of ``corpus`` (separators included)
+        max_states = 2 * self.capacity + 2
+        max_edges = 3 * self.capacity + 4
+        self.corpus = np.empty(2 * self.capacity + 1, dtype=np.int32)
+        self.st_len = np.empty(max_states, dtype=np.int32)
+        self.st_link = np.empty(max_states, dtype=np.int32)
+        self.st_first = np.empty(max_states, dtype=np.int32)
+        self.st_cnt = np.empty(max_states, dtype=np.int32)
+        self.head = np.empty(max_states, dtype=np.int32)
+        self.e_tok = np.empty(max_edges, dtype=np.int32)
+        self.e_tgt = np.empty(max_edges, dtype=np.int32)
+        self.e_next = np.empty(max_edges, dtype=np.int32)
+        cap = _hash_capacity(max_edges)
+        self.h_keys = np.full(cap, -1, dtype=np.int64)
+        self.h_edges = np.empty(cap, dtype=np.int32)
+        self.counts = np.zeros(2, dtype=np.int64)  # states, edges
+        _new_state(0, -1, -1, self.st_len, self.st_link, self.st_first, self.head, self.counts)
+        self.st_cnt[0] = 0
+
+    def fits(self, n: int) -> bool:
+        return self.num_tokens + n <= self.capacity
+
+    def add(self, doc: np.ndarray) -> None:
+        ok = _add_document(doc, self.corpus, self.corpus_len, self.count_depth, self.st_len,
+                           self.st_link, self.st_first, self.st_cnt, self.head, self.e_tok,
+                           self.e_tgt, self.e_next, self.h_keys, self.h_edges, self.counts)
+        if not ok:
+            raise RuntimeError("global store segment outgrew its arrays (a bug)")
+        self.corpus_len += doc.size + 1
+        self.num_tokens += doc.size
+        self.num_documents += 1
+        self.version += 1
+
+    def advance(self, state: int, length: int, tokens: np.ndarray) -> tuple[int, int]:
+        s, n = _advance(self.h_keys, self.h_edges, self.e_tgt, self.st_link, self.st_len,
+                        state, length, tokens)
+        return int(s), int(n)
+
+    def first_continuation(self, state: int, k: int) -> list[int]:
+        start = int(self.st_first[state]) + 1
+        seg = self.corpus[start:min(start + k, self.corpus_len)]
+        stop = np.flatnonzero(seg == SEPARATOR)
+        return (seg[: stop[0]] if stop.size else seg).tolist()
+
+    def frequent_continuation(self, state: int, k: int, min_prob: float,
+                              min_match: int) -> list[int]:
+        out = np.empty(k, dtype=np.int32)
+        n = _frequent(self.head, self.e_tok, self.e_tgt, self.e_next, self.st_cnt,
+                      self.st_link, self.st_len, state, k, float(min_prob), min_match, out)
+        return out[:n].tolist()
+
+    def resident_nbytes(self) -> int:
+        """Bytes of the arrays' used parts and of the whole hash table (filled
+        at creation): what the segment holds in memory."""
+        states, edges = int(self.counts[0]), int(self.counts[1])
+        return (4 * self.corpus_len + 5 * 4 * states + 3 * 4 * edges
+                + self.h_keys.nbytes + self.h_edges.nbytes)
+
+    def allocated_nbytes(self) -> int:
+        """Bytes reserved (the worst case, mostly never touched)."""
+        return sum(a.nbytes for a in (self.corpus, self.st_len, self.st_link, self.st_first,
+                                      self.st_cnt, self.head, self.e_tok, self.e_tgt,
+                                      self.e_next, self.h_keys, self.h_edges))
+
+
+# ------------------------------------------------------------------ store
+class GlobalMatch:
+    """One request's matches in the store: segment id -> [state, length, version]."""
+
+    __slots__ = ("per_segment",)
+
+    def __init__(self) -> None:
+        self.per_segment: dict[int, list[int]] = {}
+
+
+class GlobalStore:
+    """Bounded, append-only-with-eviction store of documents (token id lists)."""
+
+    def __init__(self, max_tokens: int, num_segments: int = DEFAULT_SEGMENTS,
+                 count_depth: int = DEFAULT_COUNT_DEPTH, window: int = DEFAULT_WINDOW) -> None:
+        if num_segments < 2:
+            raise ValueError("a global store needs at least 2 segments")
+        if max_tokens < num_segments:
+            raise ValueError(f"max_tokens must be at least {num_segments}, got {max_tokens}")
+        self.max_tokens = int(max_tokens)
+        self.num_segments = int(num_segments)
+        self.segment_tokens = self.max_tokens // self.num_segments
+        self.count_depth = int(count_depth)
+        self.window = int(window)
+        self.segments: list[_Segment] = []   # oldest first
+        self.documents_added = 0
+        self.segments_dropped = 0
+
+    # -------------------------------------------------------------- adding
+    def add(self, tokens: Sequence[int]) -> None:
+        """Append one document; drop the oldest segment when the ring is full."""
+        doc = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if doc.size == 0:
+            return
+        if doc.min() < 0 or doc.max() > np.iinfo(np.int32).max:
+            raise ValueError("token ids must be in [0, 2^31)")
+        doc = doc[-self.segment_tokens:].astype(np.int32)
+        if not self.segments or not self.segments[-1].fits(doc.size):
+            self.segments.append(_Segment(self.segment_tokens, self.count_depth))
+            if len(self.segments) > self.num_segments:
+                self.segments.pop(0)
+                self.segments_dropped += 1
+        self.segments[-1].add(doc)
+        self.documents_added += 1
+
+    # --------------------------------------------------------------- sizes
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.segments)
+
+    @property
+    def num_documents(self) -> int:
+        return sum(s.num_documents for s in self.segments)
+
+    def documents(self) -> list[list[int]]:
+        """The documents held, oldest first (for tests and inspection)."""
+        out = []
+        for seg in self.segments:
+            flat = seg.corpus[: seg.corpus_len]
+            ends = np.flatnonzero(flat == SEPARATOR)
+            start = 0
+            for end in ends:
+                out.append(flat[start:end].tolist())
+                start = end + 1
+        return out
+
+    def resident_nbytes(self) -> int:
+        return sum(s.resident_nbytes() for s in self.segments)
+
+    def allocated_nbytes(self) -> int:
+        return sum(s.allocated_nbytes() for s in self.segments)
+
+    # ------------------------------------------------------------ matching
+    def advance(self, match: GlobalMatch, tokens: Sequence[int]) -> None:
+        """Extend a request's matches with its newly committed tokens (segments
+        changed since are left stale: ``refresh`` recomputes them)."""
+        if not self.segments:
+            return
+        arr = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if arr.size == 0:
+            return
+        for seg in self.segments:
+            entry = match.per_segment.get(seg.id)
+            if entry is not None and entry[2] == seg.version:
+                entry[0], entry[1] = seg.advance(entry[0], entry[1], arr)
+
+    def refresh(self, match: GlobalMatch, context: Sequence[int]) -> None:
+        """Recompute the matches of segments that are new or changed since the
+        request's match was computed, from the last ``window`` context tokens;
+        forget dropped segments."""
+        live = {seg.id for seg in self.segments}
+        for sid in [s for s in match.per_segment if s not in live]:
+            del match.per_segment[sid]
+        tail = None
+        for seg in self.segments:
+            entry = match.per_segment.get(seg.id)
+            if entry is None or entry[2] != seg.version:
+                if tail is None:
+                    tail = np.asarray(context[-self.window:], dtype=np.int64).reshape(-1)
+                s, n = seg.advance(0, 0, tail)
+                match.per_segment[seg.id] = [s, n, seg.version]
+
+    def best(self, match: GlobalMatch) -> tuple[int, int, int]:
+        """(segment index, state, length) of the longest match, the newest
+        segment on a tie; (-1, 0, 0) when there is none."""
+        best = (-1, 0, 0)
+        for i, seg in enumerate(self.segments):
+            entry = match.per_segment.get(seg.id)
+            if entry is not None and entry[2] == seg.version and entry[1] >= best[2] \
+                    and entry[1] > 0:
+                best = (i, entry[0], entry[1])
+        return best
+
+    def match(self, query: Sequence[int]) -> tuple[int, int, int]:
+        """``best`` for a fresh match of ``query`` (its last ``window`` tokens)."""
+        m = GlobalMatch()
+        self.refresh(m, list(query))
+        return self.best(m)
+
+    def continuation(self, segment: int, state: int, k: int, mode: str = "frequent",
+                     min_prob: float = 0.0, min_match: int = 1) -> list[int]:
+        """Up to k draft tokens from a match in segment ``segment`` (see the
+        module doc): ``mode`` "frequent" or "first"."""
+        if segment < 0 or k <= 0:
+            return []
+        seg = self.segments[segment]
+        if mode == "first":
+            return seg.first_continuation(state, k)
+        return seg.frequent_continuation(state, k, min_prob, min_match)
