@@ -467,8 +467,9 @@ def test_unsupported_variants(saved3):
                          ({"eagle_config": {"use_aux_hidden_state": False}},
                           "use_aux_hidden_state false"),
                          ({"speculators_model_type": "eagle3"}, "speculators"),
-                         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
-                          "RoPE scaling 'llama3' is not supported")):
+                         ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0],
+                                            "long_factor": [1.0]}},
+                          r"rope_scaling\['rope_type'\] 'longrope' is not supported")):
         cfg_path.write_text(json.dumps({**d, **extra}))
         _both_fail(path, match)
     cfg_path.write_text(json.dumps(d))

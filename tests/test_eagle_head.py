@@ -112,6 +112,32 @@ def test_tree_mask_equals_per_path_forward():
             torch.testing.assert_close(tree_out[i], o[-1], **F64)
 
 
+def compare_with_hf_layer(head, layer, rope, start: int, change=None) -> float:
+    """The head's forward over 9 random rows at positions ``start, start+1, ...``
+    against a transformers decoder layer (input norm replaced by Identity, as
+    vLLM's EAGLE-1 layer 0) fed by the head's ``fc`` and loaded with its
+    weights (``change(name, tensor)`` alters them first). Returns the max error."""
+    missing = layer.load_state_dict(
+        {k[len("layers.0."):]: (v if change is None else change(k, v))
+         for k, v in head.state_dict().items() if k.startswith("layers.")},
+        strict=False)
+    assert missing.missing_keys == ["input_layernorm.weight"] and not missing.unexpected_keys
+    layer.input_layernorm = torch.nn.Identity()
+    T = 9
+    e, f = inputs(head.config, T, seed=start)
+    pos = torch.arange(start, start + T)  # an offset start: RoPE must use the given positions
+    with torch.no_grad():
+        x = head.fc(torch.cat((e, f), -1))[None]
+        cos, sin = rope(x, pos[None])
+        causal = torch.full((T, T), float("-inf")).triu(1)[None, None]
+        ref = layer(x, attention_mask=causal, position_ids=pos[None],
+                    position_embeddings=(cos, sin))
+        ref = ref[0] if isinstance(ref, tuple) else ref
+        ours, _, _ = head(e, f, pos)
+    torch.testing.assert_close(ours, ref[0], atol=2e-5, rtol=1e-5)
+    return (ours - ref[0]).abs().max().item()
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_transformers_llama_decoder_layer(bias):
     from transformers import LlamaConfig
@@ -122,25 +148,8 @@ def test_matches_transformers_llama_decoder_layer(bias):
     hf_cfg = LlamaConfig(**{k: v for k, v in cfg.to_hf_dict().items()
                             if k not in ("architectures", "specplug_eagle")})
     hf_cfg._attn_implementation = "eager"
-    layer = LlamaDecoderLayer(hf_cfg, layer_idx=0).eval()
-    missing = layer.load_state_dict(
-        {k[len("layers.0."):]: v for k, v in head.state_dict().items() if k.startswith("layers.")},
-        strict=False)
-    assert missing.missing_keys == ["input_layernorm.weight"]
-    layer.input_layernorm = torch.nn.Identity()
-    rope = LlamaRotaryEmbedding(hf_cfg)
-    T = 9
-    e, f = inputs(cfg, T, seed=8)
-    pos = torch.arange(3, 3 + T)  # an offset start: RoPE must use the given positions
-    with torch.no_grad():
-        x = head.fc(torch.cat((e, f), -1))[None]
-        cos, sin = rope(x, pos[None])
-        causal = torch.full((T, T), float("-inf")).triu(1)[None, None]
-        ref = layer(x, attention_mask=causal, position_ids=pos[None],
-                    position_embeddings=(cos, sin))
-        ref = ref[0] if isinstance(ref, tuple) else ref
-        ours, _, _ = head(e, f, pos)
-    torch.testing.assert_close(ours, ref[0], atol=2e-5, rtol=1e-5)
+    compare_with_hf_layer(head, LlamaDecoderLayer(hf_cfg, layer_idx=0).eval(),
+                          LlamaRotaryEmbedding(hf_cfg), start=3)
 
 
 def test_batched_forward_equals_single():
@@ -169,10 +178,17 @@ def test_config_from_transformers5_and_legacy_dicts():
     assert EagleHeadConfig.from_dict(legacy).rope_theta == 5e5
     assert EagleHeadConfig.from_dict(legacy).head_dim == 64
     assert EagleHeadConfig.from_dict(c.to_hf_dict()) == c
-    with pytest.raises(SpecPlugConfigError, match="RoPE scaling 'llama3' is not supported"):
+    # RoPE scaling (tests/test_head_rope.py has the numbers and the refusals)
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 1024}
+    c3 = EagleHeadConfig.from_dict({**legacy, "rope_scaling": {**llama3, "type": "llama3"}})
+    assert c3.rope_scaling == llama3 and c3.rope_theta == 5e5
+    assert EagleHeadConfig.from_dict(c3.to_hf_dict()) == c3
+    with pytest.raises(SpecPlugConfigError, match="rope_scaling .* is not a valid 'llama3' "
+                                                  "RoPE scaling .*low_freq_factor"):
         EagleHeadConfig.from_dict({**legacy, "rope_scaling": {"rope_type": "llama3",
                                                               "factor": 8.0}})
-    with pytest.raises(SpecPlugConfigError, match="RoPE scaling 'yarn'"):
+    with pytest.raises(SpecPlugConfigError, match="not a valid 'yarn' RoPE scaling .*factor"):
         EagleHeadConfig.from_dict({**d5, "rope_parameters": {"rope_type": "yarn"}})
     with pytest.raises(SpecPlugConfigError, match="hidden_act"):
         EagleHeadConfig.from_dict({**d5, "hidden_act": "gelu"})

@@ -83,7 +83,7 @@ def test_eagle2_features_match_transformers(get_llm, model_path, spec_bench_prom
     from transformers import AutoModelForCausalLM
 
     from vllm_specplug.eagle.draft_vocab import choose_draft_vocab
-    from vllm_specplug.eagle.head import load_head
+    from vllm_specplug.eagle import load_head
 
     llm = get_llm("eagle2_trained", _trained_config(eagle_trained_head))
     llm.llm_engine.collective_rpc(_record)

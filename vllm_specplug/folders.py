@@ -3,7 +3,7 @@
 Everything here runs before the engine starts (``Proposer.check_options`` /
 ``check_model``) and raises ``SpecPlugConfigError`` naming the key to change.
 No vLLM, no torch: the EAGLE package's full head check
-(``vllm_specplug.eagle.head.check_head_folder``, torch) is imported only when
+(``vllm_specplug.eagle.loading.check_head_folder``, torch) is imported only when
 it is called, and a basic file check stands in when it does not import.
 """
 from __future__ import annotations
@@ -63,14 +63,14 @@ def check_head_path(path: str, method: str) -> str:
 
 
 def _head_checker():
-    """``vllm_specplug.eagle.head.check_head_folder(path, target_config)`` when
+    """``vllm_specplug.eagle.loading.check_head_folder(path, target_config)`` when
     that module is installed and imports (None: the basic checks here)."""
     try:
-        if importlib.util.find_spec("vllm_specplug.eagle.head") is None:
+        if importlib.util.find_spec("vllm_specplug.eagle.loading") is None:
             return None
-        module = importlib.import_module("vllm_specplug.eagle.head")
+        module = importlib.import_module("vllm_specplug.eagle.loading")
     except Exception as e:  # noqa: BLE001 - a broken optional module
-        logger.warning("vllm_specplug: vllm_specplug.eagle.head does not import (%s); "
+        logger.warning("vllm_specplug: vllm_specplug.eagle.loading does not import (%s); "
                        "checking the EAGLE head folder's files only", e)
         return None
     return getattr(module, "check_head_folder", None)

@@ -1,5 +1,6 @@
 """The EAGLE-3 draft head (pure torch: no vLLM import) and its checkpoint
-validation; ``head.load_head`` returns one for an EAGLE-3 folder.
+validation; ``loading.load_head`` returns one for an EAGLE-3 folder (shared
+pieces, RoPE scaling included: ``common``).
 
 Checkpoint format: EAGLE-3 as vLLM 0.32 loads it for ``"method": "eagle3"``
 (``vllm/model_executor/models/llama_eagle3.py``: ``Eagle3LlamaForCausalLM``).
@@ -12,7 +13,7 @@ optionally ``target_hidden_size`` / ``eagle_aux_hidden_state_layer_ids``) and
     midlayer.input_layernorm.weight              [h]     (on the token embedding)
     midlayer.hidden_norm.weight                  [h]     (on the feature)
     midlayer.self_attn.{q,k,v}_proj.weight       [*, 2h] (+ .bias if attention_bias)
-    midlayer.self_attn.o_proj.weight             [h, heads * head_dim]
+    midlayer.self_attn.o_proj.weight             [h, heads * head_dim] (+ .bias, idem)
     midlayer.mlp.{gate,up,down}_proj.weight
     midlayer.post_attention_layernorm.weight     [h]
     norm.weight                                  [h]     (final norm, before lm_head)
@@ -50,8 +51,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..options import SpecPlugConfigError
-from .head import (CONFIG_FILE, EagleHeadConfig, HeadBase, RMSNorm, _Attention, _MLP, attend,
-                   check_shapes, describe_sizes, rope_inv_freq, save_head)
+from .common import (CONFIG_FILE, EagleHeadConfig, HeadBase, RMSNorm, _Attention, _MLP, attend,
+                     check_shapes, describe_sizes, save_head)
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 LAYER = "midlayer."
@@ -102,13 +103,22 @@ class Eagle3HeadConfig(EagleHeadConfig):
             self.target_hidden_size = self.hidden_size
         if self.aux_layer_ids is not None:
             self.aux_layer_ids = tuple(self.aux_layer_ids)
+        if self.qkv_bias is not None and self.qkv_bias != self.attention_bias:
+            raise ValueError("vLLM's EAGLE-3 layer has q/k/v biases exactly when it has "
+                             "attention_bias (o_proj too); leave qkv_bias None")
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], *, where: str = "config",
                   num_target_layers: int | None = None, own_lm_head: bool = True,
                   own_embed_tokens: bool = False) -> "Eagle3HeadConfig":
         """From the head's config.json dict, read as vLLM's llama_eagle3 does."""
-        base = super().from_dict(d, where=where)
+        # vLLM's llama_eagle3 layer: q/k/v biases from attention_bias alone
+        # (qkv_bias is not read), o_proj's from attention_bias or bias
+        if d.get("bias") and not d.get("attention_bias"):
+            raise SpecPlugConfigError(
+                f"{where}: bias true with attention_bias false (an o_proj bias without q/k/v "
+                f"biases) is not supported for EAGLE-3 heads; set attention_bias")
+        base = super().from_dict({**d, "qkv_bias": None}, where=where)
         if d.get("speculators_model_type") or d.get("transformer_layer_config"):
             raise SpecPlugConfigError(
                 f"{where}: a `speculators`-format config; only vLLM's plain llama_eagle3 "
@@ -253,15 +263,8 @@ class Eagle3Head(HeadBase):
         if cfg.draft_vocab_size != cfg.vocab_size:
             d2t = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
         self.register_buffer("d2t", d2t)
-        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self._init_rope()
         self.ignored_tensors: list[str] = []
-
-    def _apply(self, fn, *args, **kwargs):
-        # keep the RoPE frequencies in float32 when the head is cast (bf16 would
-        # round them; vLLM computes its cos/sin cache in float32)
-        out = super()._apply(fn, *args, **kwargs)
-        self.inv_freq = rope_inv_freq(self.config).to(self.inv_freq.device)
-        return out
 
     @property
     def needs_aux_layers(self) -> tuple[int, ...]:
@@ -289,7 +292,7 @@ class Eagle3Head(HeadBase):
         e = layer.input_layernorm(embeds)
         f = layer.hidden_norm(features)
         residual = f if cfg.norm_before_residual else features
-        a, k, v = attend(cfg, layer.self_attn, self.inv_freq, torch.cat((e, f), dim=-1),
+        a, k, v = attend(cfg, layer.self_attn, self.rope, torch.cat((e, f), dim=-1),
                          positions, past_k, past_v, mask)
         r = a + residual
         out = r + layer.mlp(layer.post_attention_layernorm(r))
@@ -461,7 +464,7 @@ def load_eagle3(folder: Path, wfile: Path, d: Mapping[str, Any],
                 tensors: Mapping[str, torch.Tensor], *, hidden_size: int | None,
                 vocab_size: int | None, num_target_layers: int | None, dtype: torch.dtype
                 ) -> tuple[Eagle3Head, Eagle3HeadConfig]:
-    """``head.load_head`` for an EAGLE-3 folder (its tensors already read)."""
+    """``loading.load_head`` for an EAGLE-3 folder (its tensors already read)."""
     shapes = {k: tuple(v.shape) for k, v in tensors.items()}
     cfg = validate_eagle3(folder, wfile, d, shapes, hidden_size, vocab_size, num_target_layers)
     names = _normalize_keys(wfile, tensors)

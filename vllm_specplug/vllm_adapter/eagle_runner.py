@@ -85,7 +85,7 @@ class EagleRunner(TargetHook):
     """Runs an EAGLE head (EAGLE-1 or EAGLE-3) against a loaded vLLM target model."""
 
     def __init__(self, drafter: Any, model: Any, head_path: str) -> None:
-        from ..eagle.head import load_head
+        from ..eagle.loading import load_head
 
         # the module layout is probed: no embedding is refused, naming it
         inner = getattr(model, "model", None)
