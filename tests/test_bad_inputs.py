@@ -608,3 +608,67 @@ def test_server_keeps_serving_while_bad_requests_arrive(server, reference):
 def test_bad_global_store_options(method, key, value, must):
     _bad({"method": method, key: value}, f"speculative_config[{key!r}] for method {method!r}",
          must)
+
+
+# -------------------------------------- EAGLE heads' RoPE and biases (issue 22)
+def _rope_head(tmp_path, rope: dict, eagle3: bool = False) -> str:
+    """A small random head folder whose config.json carries ``rope``."""
+    from vllm_specplug.eagle import (Eagle3Head, Eagle3HeadConfig, EagleHead, EagleHeadConfig,
+                                     save_head, save_head3)
+
+    d = {"hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "vocab_size": 50, "max_position_embeddings": 4096}
+    folder = tmp_path / ("head3" if eagle3 else "head")
+    if eagle3:
+        cfg = Eagle3HeadConfig.from_dict({**d, "draft_vocab_size": 20,
+                                          "eagle_aux_hidden_state_layer_ids": [1, 2, 3]})
+        save_head3(Eagle3Head(cfg), cfg, folder)
+    else:
+        cfg = EagleHeadConfig.from_dict(d)
+        save_head(EagleHead(cfg), cfg, folder)
+    path = folder / "config.json"
+    written = json.loads(path.read_text())
+    written.pop("rope_scaling"), written.pop("rope_parameters")
+    path.write_text(json.dumps({**written, **rope}))
+    return str(folder)
+
+
+LLAMA31_ROPE = {"rope_theta": 500000.0,
+                "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0,
+                                 "original_max_position_embeddings": 8192}}
+
+
+@pytest.mark.parametrize("method", ["eagle2", "sam_eagle2"])
+@pytest.mark.parametrize("eagle3", [False, True])
+@pytest.mark.parametrize("rope, must", [
+    ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8,
+                       "long_factor": [2.0] * 8, "original_max_position_embeddings": 1024}},
+     "rope_scaling['rope_type'] 'longrope' is not supported by the EAGLE heads"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}},
+     "rope_parameters['mrope_section'] [2, 3, 3] (multimodal RoPE (M-RoPE))"),
+    ({"rope_scaling": {"rope_type": "ntk_by_parts", "factor": 4.0}},
+     "rope_scaling['rope_type'] 'ntk_by_parts' is not supported"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": "4x"}}, "not a valid 'yarn' RoPE scaling"),
+])
+def test_unsupported_rope_of_a_head_is_refused_before_the_engine(tmp_path, method, eagle3,
+                                                                  rope, must):
+    head = _rope_head(tmp_path, rope, eagle3)
+    _bad({"method": method, "model": head}, "speculative_config['model']", repr(method),
+         "config.json", must)
+
+
+@pytest.mark.parametrize("eagle3", [False, True])
+def test_scaled_rope_heads_are_accepted(tmp_path, eagle3):
+    """Llama-3.1's RoPE scaling (llama3) passes the head check."""
+    _, plugin = translate({"method": "eagle2", "model": _rope_head(tmp_path, LLAMA31_ROPE,
+                                                                   eagle3)})
+    assert plugin["options"]["model"].endswith("head3" if eagle3 else "head")
+
+
+def test_unsupported_rope_through_vllm_engine_args(engine_args, tmp_path):
+    head = _rope_head(tmp_path, {"rope_scaling": {"rope_type": "longrope",
+                                                  "short_factor": [1.0] * 8,
+                                                  "long_factor": [2.0] * 8}})
+    with pytest.raises(SpecPlugConfigError, match=r"rope_scaling\['rope_type'\] 'longrope'"):
+        engine_args(speculative_config={"method": "eagle2", "model": head})
