@@ -107,7 +107,9 @@ _SHIFT = np.uint64(32)
 
 @numba.njit(cache=True)
 def _edge_key(state, token):
-    return (np.int64(state) << 32) | np.int64(token)
+    """Never 0: 0 marks an empty hash slot (tables from ``np.zeros`` cost no
+    memory or time until touched)."""
+    return ((np.int64(state) << 32) | np.int64(token)) + 1
 
 
 @numba.njit(cache=True)
@@ -125,7 +127,7 @@ def _find_edge(h_keys, h_edges, state, token):
         k = h_keys[i]
         if k == key:
             return h_edges[i]
-        if k == -1:
+        if k == 0:
             return -1
         i = (i + 1) & mask
 
@@ -143,7 +145,7 @@ def _add_edge(state, token, target, head, e_tok, e_tgt, e_next, h_keys, h_edges,
     key = _edge_key(state, token)
     mask = h_keys.size - 1
     i = _slot(key, mask)
-    while h_keys[i] != -1:
+    while h_keys[i] != 0:
         i = (i + 1) & mask
     h_keys[i] = key
     h_edges[i] = e
@@ -332,7 +334,7 @@ def _build_arrays(corpus: np.ndarray, doc_bounds: np.ndarray, progress: bool
     e_tok = np.empty(max_edges, dtype=np.int32)
     e_tgt = np.empty(max_edges, dtype=np.int32)
     e_next = np.empty(max_edges, dtype=np.int32)
-    h_keys = np.full(capacity, -1, dtype=np.int64)
+    h_keys = np.zeros(capacity, dtype=np.int64)
     h_edges = np.empty(capacity, dtype=np.int32)
     counts = np.zeros(2, dtype=np.int64)
     _new_state(0, -1, -1, st_len, st_link, st_first, head, counts)  # the root

@@ -9,17 +9,19 @@ segment holds whole documents (one finished request's output, optionally its
 prompt) inserted from the root, so a match never spans two documents; its
 arrays are preallocated for ``segment_tokens = max_tokens // num_segments``
 tokens (the worst-case 2 states and 3 transitions a token, as
-``corpus_automaton``'s builder, whose numba insertion it reuses; untouched
-pages of ``np.empty`` cost no memory). Only the newest segment grows. When a
-document does not fit in it, a new segment starts, and when that makes one
-segment too many the oldest is dropped whole: eviction frees arrays and never
-rebuilds anything, and the store keeps the newest documents, at most
-``max_tokens`` tokens and, once full, more than ``max_tokens - 2 *
-segment_tokens``. A document longer than a segment keeps its last
-``segment_tokens`` tokens.
+``corpus_automaton``'s builder, whose numba insertion it reuses, in anonymous
+memory maps whose untouched pages cost nothing). Only the newest segment
+grows. When a document does not fit in it, a new segment starts, and when
+that makes one segment too many the oldest is dropped whole: eviction frees
+arrays and never rebuilds anything. The store keeps the newest documents, at
+most ``max_tokens`` tokens (each older segment was sealed because the next
+document did not fit: with short documents the store holds between
+``max_tokens - segment_tokens`` and ``max_tokens``). A document longer than a
+segment keeps its last ``segment_tokens`` tokens.
 
 Matching: each request keeps one (state, length) per segment, advanced with
-its committed tokens (a hash-table transition lookup per token and segment).
+its committed tokens (a hash-table transition lookup per token and segment)
+when it next looks at the store.
 A segment that received documents since a request's match was computed
 (``version``) is re-matched from the last ``window`` tokens of the request's
 context; a sealed segment never changes, so its match is exact over the whole
@@ -38,6 +40,7 @@ No vLLM import: a plain algorithm, property-tested against brute force
 from __future__ import annotations
 
 import itertools
+import mmap
 from typing import Sequence
 
 import numba
@@ -135,6 +138,16 @@ def _frequent(head, e_tok, e_tgt, e_next, st_cnt, st_link, st_len, state, k, min
 
 
 # --------------------------------------------------------------- segments
+def _zeros(n: int, dtype) -> np.ndarray:
+    """A zeroed array in its own anonymous memory map: pages cost memory only
+    once touched and are never transparent huge pages (numpy asks for those
+    on large arrays; the kernel's compaction for them stalled the first
+    insertion into a new 1M-token store's segment by 70-90 ms here, against
+    ~20 ms without)."""
+    dtype = np.dtype(dtype)
+    return np.frombuffer(mmap.mmap(-1, max(n, 1) * dtype.itemsize), dtype=dtype, count=n)
+
+
 def _hash_capacity(max_edges: int) -> int:
     return 1 << max(4, int(np.ceil(np.log2(max_edges * 1.3 + 16))))
 
@@ -154,18 +167,18 @@ class _Segment:
         self.corpus_len = 0      # used positions of ``corpus`` (separators included)
         max_states = 2 * self.capacity + 2
         max_edges = 3 * self.capacity + 4
-        self.corpus = np.empty(2 * self.capacity + 1, dtype=np.int32)
-        self.st_len = np.empty(max_states, dtype=np.int32)
-        self.st_link = np.empty(max_states, dtype=np.int32)
-        self.st_first = np.empty(max_states, dtype=np.int32)
-        self.st_cnt = np.empty(max_states, dtype=np.int32)
-        self.head = np.empty(max_states, dtype=np.int32)
-        self.e_tok = np.empty(max_edges, dtype=np.int32)
-        self.e_tgt = np.empty(max_edges, dtype=np.int32)
-        self.e_next = np.empty(max_edges, dtype=np.int32)
+        self.corpus = _zeros(2 * self.capacity + 1, np.int32)
+        self.st_len = _zeros(max_states, np.int32)
+        self.st_link = _zeros(max_states, np.int32)
+        self.st_first = _zeros(max_states, np.int32)
+        self.st_cnt = _zeros(max_states, np.int32)
+        self.head = _zeros(max_states, np.int32)
+        self.e_tok = _zeros(max_edges, np.int32)
+        self.e_tgt = _zeros(max_edges, np.int32)
+        self.e_next = _zeros(max_edges, np.int32)
         cap = _hash_capacity(max_edges)
-        self.h_keys = np.full(cap, -1, dtype=np.int64)
-        self.h_edges = np.empty(cap, dtype=np.int32)
+        self.h_keys = _zeros(cap, np.int64)
+        self.h_edges = _zeros(cap, np.int32)
         self.counts = np.zeros(2, dtype=np.int64)  # states, edges
         _new_state(0, -1, -1, self.st_len, self.st_link, self.st_first, self.head, self.counts)
         self.st_cnt[0] = 0
@@ -203,8 +216,9 @@ class _Segment:
         return out[:n].tolist()
 
     def resident_nbytes(self) -> int:
-        """Bytes of the arrays' used parts and of the whole hash table (filled
-        at creation): what the segment holds in memory."""
+        """Bytes of the arrays' used parts and of the whole hash table (whose
+        pages are all touched once it holds a few thousand edges): about what
+        the segment holds in memory."""
         states, edges = int(self.counts[0]), int(self.counts[1])
         return (4 * self.corpus_len + 5 * 4 * states + 3 * 4 * edges
                 + self.h_keys.nbytes + self.h_edges.nbytes)
@@ -218,12 +232,14 @@ class _Segment:
 
 # ------------------------------------------------------------------ store
 class GlobalMatch:
-    """One request's matches in the store: segment id -> [state, length, version]."""
+    """One request's matches in the store: segment id -> [state, length,
+    version], and the tokens committed since they were last brought up to date."""
 
-    __slots__ = ("per_segment",)
+    __slots__ = ("per_segment", "pending")
 
     def __init__(self) -> None:
         self.per_segment: dict[int, list[int]] = {}
+        self.pending: list[int] = []
 
 
 class GlobalStore:
@@ -290,33 +306,36 @@ class GlobalStore:
 
     # ------------------------------------------------------------ matching
     def advance(self, match: GlobalMatch, tokens: Sequence[int]) -> None:
-        """Extend a request's matches with its newly committed tokens (segments
-        changed since are left stale: ``refresh`` recomputes them)."""
-        if not self.segments:
-            return
-        arr = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        if arr.size == 0:
-            return
-        for seg in self.segments:
-            entry = match.per_segment.get(seg.id)
-            if entry is not None and entry[2] == seg.version:
-                entry[0], entry[1] = seg.advance(entry[0], entry[1], arr)
+        """Note a request's newly committed tokens; ``refresh`` applies them
+        (lazily: a step that does not look at the store costs nothing here).
+        Past ``window`` pending tokens the matches are dropped and ``refresh``
+        recomputes them from the context's last ``window`` tokens."""
+        match.pending.extend(tokens)
+        if len(match.pending) > self.window:
+            match.per_segment.clear()
+            match.pending.clear()
 
     def refresh(self, match: GlobalMatch, context: Sequence[int]) -> None:
-        """Recompute the matches of segments that are new or changed since the
-        request's match was computed, from the last ``window`` context tokens;
-        forget dropped segments."""
+        """Bring a request's matches up to date with its ``context`` (all its
+        tokens): extend them with the pending tokens in segments unchanged
+        since; recompute from the last ``window`` context tokens in segments
+        that are new or received documents; forget dropped segments."""
         live = {seg.id for seg in self.segments}
         for sid in [s for s in match.per_segment if s not in live]:
             del match.per_segment[sid]
+        pending = np.asarray(match.pending, dtype=np.int64) if match.pending else None
+        match.pending.clear()
         tail = None
         for seg in self.segments:
             entry = match.per_segment.get(seg.id)
-            if entry is None or entry[2] != seg.version:
-                if tail is None:
-                    tail = np.asarray(context[-self.window:], dtype=np.int64).reshape(-1)
-                s, n = seg.advance(0, 0, tail)
-                match.per_segment[seg.id] = [s, n, seg.version]
+            if entry is not None and entry[2] == seg.version:
+                if pending is not None:
+                    entry[0], entry[1] = seg.advance(entry[0], entry[1], pending)
+                continue
+            if tail is None:
+                tail = np.asarray(context[-self.window:], dtype=np.int64).reshape(-1)
+            s, n = seg.advance(0, 0, tail)
+            match.per_segment[seg.id] = [s, n, seg.version]
 
     def best(self, match: GlobalMatch) -> tuple[int, int, int]:
         """(segment index, state, length) of the longest match, the newest

@@ -78,6 +78,8 @@ class AcceptanceByMatchLength:
         self.tried = np.zeros((MAX_BUCKET + 1, k), dtype=np.float64)
         self.accepted = np.zeros((MAX_BUCKET + 1, k), dtype=np.float64)
         self.proposals = np.zeros(MAX_BUCKET + 1, dtype=np.int64)
+        # bucket -> (estimates, their running sums) as lists; dropped by update
+        self._rows: dict[int, tuple[list[float], list[float]]] = {}
 
     @staticmethod
     def bucket(match_len: int) -> int:
@@ -87,10 +89,25 @@ class AcceptanceByMatchLength:
         b = self.bucket(match_len)
         return (self.accepted[b] + 1.0) / (self.tried[b] + 2.0)
 
+    def _row(self, match_len: int) -> tuple[list[float], list[float]]:
+        b = self.bucket(match_len)
+        row = self._rows.get(b)
+        if row is None:
+            p = self.prob(match_len)
+            row = self._rows[b] = (p.tolist(), np.cumsum(p).tolist())
+        return row
+
     def kept(self, match_len: int, n: int, min_prob: float) -> int:
         """Positions before the first whose estimate < min_prob (no side effect)."""
-        below = np.flatnonzero(self.prob(match_len)[:n] < min_prob)
-        return n if below.size == 0 else int(below[0])
+        p = self._row(match_len)[0]
+        for i in range(min(n, len(p))):
+            if p[i] < min_prob:
+                return i
+        return n
+
+    def expected(self, match_len: int, n: int) -> float:
+        """Expected accepted tokens of an n-token draft: the estimates' sum."""
+        return self._row(match_len)[1][n - 1] if n > 0 else 0.0
 
     def cut(self, match_len: int, n: int, min_prob: float) -> int:
         """Draft length: positions before the first whose estimate < min_prob
@@ -104,6 +121,7 @@ class AcceptanceByMatchLength:
 
     def update(self, match_len: int, drafted: int, accepted: int) -> None:
         b = self.bucket(match_len)
+        self._rows.pop(b, None)
         self.tried[b, :drafted] += 1
         self.accepted[b, :accepted] += 1
         if self.tried[b, 0] >= STATS_HORIZON:
@@ -308,55 +326,56 @@ class SamProposer(Proposer):
         (with ``sam_corpus_bias`` set: the static length minus the bias when
         that is longer)."""
         if self.corpus_bias is not None:
-            own = max(self._automata[req_id].match_len,
-                      self._candidate(req_id, "global", 0)[0])
+            own = max(self._automata[req_id].match_len, self._match(req_id, "global")[0])
             return max(own, self._static_match(req_id)[2] - self.corpus_bias)
         return self._choose(req_id, self.num_speculative_tokens)[1]
 
-    def _candidate(self, req_id: str, source: str, budget: int) -> tuple[int, list[int]]:
-        """(match length, draft tokens before the acceptance cut) of one source."""
+    def _match(self, req_id: str, source: str) -> tuple[int, tuple[int, int] | None]:
+        """(length, where) of a source's longest match: where is (corpus or
+        segment index, state) for the static corpus and the global store."""
         if source == "dynamic":
-            sa = self._automata[req_id]
-            length = sa.match_len
-            if length < self.min_match_len:
-                return length, []
-            if self.continuation == "frequent":
-                tokens, _ = sa.frequent_continuation(budget, self.min_token_prob,
-                                                     self.min_match_len)
-            else:
-                n = min(budget, max(1, math.ceil(self.spec_factor * length)))
-                _, tokens = sa.continuation(n, self.min_match_len)
-            return length, tokens
+            return self._automata[req_id].match_len, None
         if source == "static":
             corpus, state, length = self._static_match(req_id)
-            if length < self.min_match_len:
-                return length, []
-            return length, self.corpora[corpus].continuation(state, length, budget).tolist()
+            return length, (corpus, state)
         store = self.global_store
         if store is None or not store.segments:
-            return 0, []
+            return 0, None
         match = self._global_matches[req_id]
         store.refresh(match, self._automata[req_id].tokens)
         segment, state, length = store.best(match)
-        if length < self.min_match_len or budget <= 0:
-            return length, []
+        return length, (segment, state)
+
+    def _draft_tokens(self, req_id: str, source: str, length: int,
+                      where: tuple[int, int] | None, budget: int) -> list[int]:
+        """A source's draft from its match, before the acceptance cut."""
         n = budget if self.continuation == "frequent" else min(
             budget, max(1, math.ceil(self.spec_factor * length)))
-        return length, store.continuation(segment, state, n, self.continuation,
-                                          self.min_token_prob, self.min_match_len)
+        if source == "dynamic":
+            sa = self._automata[req_id]
+            if self.continuation == "frequent":
+                return sa.frequent_continuation(budget, self.min_token_prob,
+                                                self.min_match_len)[0]
+            return sa.continuation(n, self.min_match_len)[1]
+        if source == "static":
+            return self.corpora[where[0]].continuation(where[1], length, budget).tolist()
+        return self.global_store.continuation(where[0], where[1], n, self.continuation,
+                                              self.min_token_prob, self.min_match_len)
 
-    def _expected(self, source: str, length: int, tokens: list[int]) -> tuple[float, float]:
-        """(expected accepted tokens of the cut draft, first token's estimate)."""
-        if not tokens:
+    def _value(self, source: str, length: int, n: int) -> tuple[float, float]:
+        """(expected accepted tokens of an n-token draft after the cut, the
+        first token's estimate): what the choice of source maximises."""
+        if n <= 0:
             return -1.0, -1.0
-        prob = self._table(source).prob(length)
-        n = len(tokens)
+        table = self._table(source)
         if self.min_accept_prob > 0:
-            n = self._table(source).kept(length, n, self.min_accept_prob)
-        return float(prob[:n].sum()), float(prob[0])
+            n = table.kept(length, n, self.min_accept_prob)
+        return table.expected(length, n), table._row(length)[0][0]
 
     def _choose(self, req_id: str, budget: int) -> tuple[str, int, list[int]]:
-        """(source, match length, tokens) of this step's draft before the cut."""
+        """(source, match length, tokens) of this step's draft before the cut:
+        the source with the highest ``_value``. A source whose value with a
+        full-budget draft cannot beat the best so far is not continued."""
         cached = self._choice.get(req_id)
         if cached is not None and cached[0] == budget:
             return cached[1:]
@@ -367,17 +386,20 @@ class SamProposer(Proposer):
         if self.corpus_bias is not None and self.corpora:
             # the fixed rule: a long enough static match first
             own = self._automata[req_id].match_len
-            static_len = self._static_match(req_id)[2]
-            if static_len - self.corpus_bias > max(own, self.min_match_len - 1):
-                length, tokens = self._candidate(req_id, "static", budget)
+            length, where = self._match(req_id, "static")
+            if length - self.corpus_bias > max(own, self.min_match_len - 1):
+                tokens = self._draft_tokens(req_id, "static", length, where, budget)
                 if tokens:
                     best = ("static", length, tokens)
             sources.remove("static")
         if best[0] != "static":
             score = (-2.0, -2.0)
             for source in sources:
-                length, tokens = self._candidate(req_id, source, budget)
-                value = self._expected(source, length, tokens)
+                length, where = self._match(req_id, source)
+                if length < self.min_match_len or self._value(source, length, budget) <= score:
+                    continue
+                tokens = self._draft_tokens(req_id, source, length, where, budget)
+                value = self._value(source, length, len(tokens))
                 if value > score:
                     score, best = value, (source, length, tokens)
         self._choice[req_id] = (budget, *best)
