@@ -85,8 +85,8 @@ def check_tree_model(plugin: Mapping[str, Any], model_config: Any) -> None:
     problems = tree_model_problems(model_config)
     if problems:
         what = (f"method {plugin['method']!r} verifies draft trees" if _drafts_trees(plugin)
-                else f"speculative_config['acceptance'] routes method {plugin['method']!r}'s "
-                     f"drafts through tree verification")
+                else f"method {plugin['method']!r} with speculative_config['acceptance'] "
+                     f"verifies its drafts on the tree path")
         raise SpecPlugConfigError(
             f"{what}, and vllm-specplug's tree verification does not support this model "
             f"({model_config.model}): {'; '.join(problems)}. Tree verification needs every "
