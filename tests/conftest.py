@@ -83,11 +83,11 @@ def get_llm(model_path):
 
 @pytest.fixture(scope="session")
 def plain_samples(get_llm):
-    """Plain sampling's first three tokens (test_engine_tree._first_three),
-    shared by every sampling-distribution test of the session."""
-    from test_engine_tree import _first_three
+    """Plain sampling's first three tokens (helpers.first_three), shared by
+    every sampling-distribution test of the session."""
+    from helpers import first_three
 
-    return _first_three(get_llm("plain"))
+    return first_three(get_llm("plain"))
 
 
 @pytest.fixture

@@ -13,8 +13,7 @@ import torch
 from vllm_specplug.eagle.draft_vocab import (FILE, DraftVocabError, choose_draft_vocab,
                                              count_tokens, load_draft_vocab, main,
                                              write_draft_vocab)
-
-from test_eagle_head import random_head, small_config
+from helpers import random_head, small_config
 
 
 def test_count_write_load_round_trip(tmp_path):

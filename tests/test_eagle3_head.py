@@ -15,18 +15,17 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from helpers import F64, bin_folder, both_fail, rewrite_weights, small_config
+
 from vllm_specplug.eagle import (Eagle3Head, Eagle3HeadConfig, EagleHead, check_head_folder,
                                  default_aux_layers, load_head, save_head3)
 from vllm_specplug.options import SpecPlugConfigError
-
-from test_eagle_head import (F64, _bin_folder, _both_fail, _rewrite,  # tests/ is on sys.path
-                             small_config)
 
 H, VOCAB, DRAFT = 64, 50, 20
 
 
 def config3(**kw) -> Eagle3HeadConfig:
-    """test_eagle_head's small Llama (h 64, 4/2 heads, vocab 50) as an EAGLE-3
+    """helpers.small_config's Llama (h 64, 4/2 heads, vocab 50) as an EAGLE-3
     head with a 20-token draft vocabulary."""
     fields = {**vars(small_config()), "draft_vocab_size": DRAFT, "aux_layer_ids": (2, 5, 9)}
     return Eagle3HeadConfig(**{**fields, **kw})
@@ -365,51 +364,51 @@ def test_config_without_layer_ids_takes_vllms_default(saved3):
     assert load_head(path)[0].needs_aux_layers == (1, 3, 6)
     d["eagle_aux_hidden_state_layer_ids"] = [1, 3]
     cfg_path.write_text(json.dumps(d))
-    _both_fail(path, r"names 2 distinct layers but the head's fc takes 3")
+    both_fail(path, r"names 2 distinct layers but the head's fc takes 3")
 
 
 def test_layers0_spelling_and_bin_file(saved3, tmp_path):
     head, _, path = saved3
-    _rewrite(path, lambda t: t.update(
+    rewrite_weights(path, lambda t: t.update(
         {"layers.0." + k[len("midlayer."):]: t.pop(k) for k in list(t) if k.startswith("mid")}))
     loaded, _ = load_head(path)
     assert torch.equal(loaded.midlayer.hidden_norm.weight, head.midlayer.hidden_norm.weight)
-    folder = _bin_folder(saved3, tmp_path, head.state_dict())
+    folder = bin_folder(saved3, tmp_path, head.state_dict())
     assert torch.equal(load_head(folder)[0].fc.weight, head.fc.weight)
     check_head_folder(folder)
 
 
 def test_wrong_shaped_fc(saved3):
     _, _, path = saved3
-    _rewrite(path, lambda t: t.__setitem__("fc.weight", torch.zeros(H, 2 * H)))
-    msg, _ = _both_fail(path, r"fc.weight has shape \[64, 128\], expected \[64, 192\]")
+    rewrite_weights(path, lambda t: t.__setitem__("fc.weight", torch.zeros(H, 2 * H)))
+    msg, _ = both_fail(path, r"fc.weight has shape \[64, 128\], expected \[64, 192\]")
     assert "model.safetensors" in msg and "config.json" in msg
 
 
 def test_missing_d2t_and_lm_head(saved3):
     _, _, path = saved3
-    _rewrite(path, lambda t: t.pop("d2t"))
-    msg, _ = _both_fail(path, r"missing tensor d2t: config.json's draft_vocab_size 20 < vocab_size "
+    rewrite_weights(path, lambda t: t.pop("d2t"))
+    msg, _ = both_fail(path, r"missing tensor d2t: config.json's draft_vocab_size 20 < vocab_size "
                            r"50, so the head needs the draft-to-target id map")
     assert "model.safetensors" in msg
-    _rewrite(path, lambda t: (t.__setitem__("d2t", torch.zeros(DRAFT, dtype=torch.int64)),
+    rewrite_weights(path, lambda t: (t.__setitem__("d2t", torch.zeros(DRAFT, dtype=torch.int64)),
                               t.pop("lm_head.weight")))
-    _both_fail(path, "missing tensor lm_head.weight: .*its own LM head")
+    both_fail(path, "missing tensor lm_head.weight: .*its own LM head")
 
 
 def test_pickle_refused(saved3, tmp_path):
     head = saved3[0]
-    folder = _bin_folder(saved3, tmp_path, {**head.state_dict(), "evil": SimpleNamespace(x=1)})
-    msg, _ = _both_fail(folder, "refused to load .*weights_only=True")
+    folder = bin_folder(saved3, tmp_path, {**head.state_dict(), "evil": SimpleNamespace(x=1)})
+    msg, _ = both_fail(folder, "refused to load .*weights_only=True")
     assert "pytorch_model.bin" in msg
 
 
 def test_head_for_another_model(saved3):
     _, _, path = saved3
-    msg, _ = _both_fail(path, r"model.safetensors: fc.weight has shape \[64, 192\], but the "
+    msg, _ = both_fail(path, r"model.safetensors: fc.weight has shape \[64, 192\], but the "
                            r"target's hidden_size 576 needs \[64, 1728\]", hidden_size=576)
     assert "another model" in msg
-    _both_fail(path, "vocab_size is 50 but the target's is 49152", vocab_size=49152)
+    both_fail(path, "vocab_size is 50 but the target's is 49152", vocab_size=49152)
     too_few = r"\[2, 5, 9\] go past the target's 6 layers"
     with pytest.raises(SpecPlugConfigError, match=too_few):
         load_head(path, num_target_layers=6)
@@ -418,7 +417,7 @@ def test_head_for_another_model(saved3):
     cfg_path = path / "config.json"
     d = json.loads(cfg_path.read_text())
     cfg_path.write_text(json.dumps({**d, "target_hidden_size": 576}))
-    _both_fail(path, r"fc.weight has shape \[64, 192\], expected \[64, 1728\]")
+    both_fail(path, r"fc.weight has shape \[64, 192\], expected \[64, 1728\]")
 
 
 def test_own_embedding_and_lm_head_for_full_vocab(tmp_path):
@@ -426,34 +425,34 @@ def test_own_embedding_and_lm_head_for_full_vocab(tmp_path):
     loaded, cfg2 = load_head(path, hidden_size=H, vocab_size=VOCAB)
     assert cfg2.own_embed_tokens and loaded.d2t is None
     assert torch.equal(loaded.embed_tokens.weight, head.embed_tokens.weight)
-    _rewrite(path, lambda t: t.__setitem__("d2t", torch.zeros(VOCAB, dtype=torch.int64)))
-    _both_fail(path, "unexpected tensor 'd2t' .*set draft_vocab_size")
-    _rewrite(path, lambda t: (t.pop("d2t"), t.__setitem__("lm_head.weight",
+    rewrite_weights(path, lambda t: t.__setitem__("d2t", torch.zeros(VOCAB, dtype=torch.int64)))
+    both_fail(path, "unexpected tensor 'd2t' .*set draft_vocab_size")
+    rewrite_weights(path, lambda t: (t.pop("d2t"), t.__setitem__("lm_head.weight",
                                                                       torch.zeros(49, H))))
-    _both_fail(path, r"lm_head.weight has shape \[49, 64\], expected \[50, 64\]",
+    both_fail(path, r"lm_head.weight has shape \[49, 64\], expected \[50, 64\]",
                vocab_size=VOCAB)
 
 
 def test_bad_vocab_maps(saved3):
     _, _, path = saved3
-    _rewrite(path, lambda t: t.__setitem__("d2t", torch.full((DRAFT,), 40)))
+    rewrite_weights(path, lambda t: t.__setitem__("d2t", torch.full((DRAFT,), 40)))
     with pytest.raises(SpecPlugConfigError, match=r"d2t maps draft id 10 to target id 50, "
                                                   r"outside the target vocabulary \[0, 50\)"):
         load_head(path)
-    _rewrite(path, lambda t: t.__setitem__("d2t", torch.tensor([1] + [0] * (DRAFT - 1))))
+    rewrite_weights(path, lambda t: t.__setitem__("d2t", torch.tensor([1] + [0] * (DRAFT - 1))))
     with pytest.raises(SpecPlugConfigError, match="two draft ids to the same target id"):
         load_head(path)
     ok = torch.arange(DRAFT) + 1
     t2d = torch.zeros(VOCAB, dtype=torch.bool)
     t2d[torch.arange(DRAFT) + ok] = True
-    _rewrite(path, lambda t: t.update({"d2t": ok, "t2d": t2d}))
+    rewrite_weights(path, lambda t: t.update({"d2t": ok, "t2d": t2d}))
     assert load_head(path)[0].ignored_tensors == ["t2d"]
-    _rewrite(path, lambda t: t.__setitem__("t2d", ~t2d))
+    rewrite_weights(path, lambda t: t.__setitem__("t2d", ~t2d))
     with pytest.raises(SpecPlugConfigError, match="t2d does not mark exactly"):
         load_head(path)
-    _rewrite(path, lambda t: t.__setitem__("t2d", torch.zeros(VOCAB + 1, dtype=torch.bool)))
-    _both_fail(path, r"t2d has shape \[51\], expected \[50\]")
-    _rewrite(path, lambda t: (t.pop("t2d"), t.__setitem__("d2t", ok.float())))
+    rewrite_weights(path, lambda t: t.__setitem__("t2d", torch.zeros(VOCAB + 1, dtype=torch.bool)))
+    both_fail(path, r"t2d has shape \[51\], expected \[50\]")
+    rewrite_weights(path, lambda t: (t.pop("t2d"), t.__setitem__("d2t", ok.float())))
     with pytest.raises(SpecPlugConfigError, match="d2t must be an integer tensor"):
         load_head(path)
 
@@ -471,10 +470,10 @@ def test_unsupported_variants(saved3):
                                             "long_factor": [1.0]}},
                           r"rope_scaling\['rope_type'\] 'longrope' is not supported")):
         cfg_path.write_text(json.dumps({**d, **extra}))
-        _both_fail(path, match)
+        both_fail(path, match)
     cfg_path.write_text(json.dumps(d))
-    _rewrite(path, lambda t: t.__setitem__("mask_hidden", torch.zeros(3 * H)))
-    _both_fail(path, "unexpected tensor 'mask_hidden' .*parallel-drafting")
-    _rewrite(path, lambda t: (t.pop("mask_hidden"), t.__setitem__("layers.1.hidden_norm.weight",
+    rewrite_weights(path, lambda t: t.__setitem__("mask_hidden", torch.zeros(3 * H)))
+    both_fail(path, "unexpected tensor 'mask_hidden' .*parallel-drafting")
+    rewrite_weights(path, lambda t: (t.pop("mask_hidden"), t.__setitem__("layers.1.hidden_norm.weight",
                                                                     torch.ones(H))))
-    _both_fail(path, "more than one decoder layer")
+    both_fail(path, "more than one decoder layer")

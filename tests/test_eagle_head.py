@@ -9,35 +9,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from helpers import (F64, bin_folder, both_fail, compare_with_hf_layer, head_inputs,
+                     random_head, rewrite_weights, small_config)
+
 from vllm_specplug.eagle import EagleHead, EagleHeadConfig, check_head_folder, load_head, \
     save_head
 from vllm_specplug.options import SpecPlugConfigError
-
-
-def small_config(**kw) -> EagleHeadConfig:
-    base = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
-                vocab_size=50, attention_bias=False, max_position_embeddings=512)
-    base.update(kw)
-    return EagleHeadConfig(**base)
-
-
-def random_head(cfg: EagleHeadConfig, seed: int = 0, dtype=torch.float32) -> EagleHead:
-    torch.manual_seed(seed)
-    head = EagleHead(cfg)
-    with torch.no_grad():
-        for p in head.parameters():
-            p.normal_(0, 0.2)
-    return head.to(dtype).eval()
-
-
-def inputs(cfg, T, seed=1, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(T, cfg.hidden_size, generator=g, dtype=dtype),
-            torch.randn(T, cfg.hidden_size, generator=g, dtype=dtype))
-
-
-F64 = dict(atol=1e-10, rtol=1e-10)  # structural tests run in float64: exact up to rounding
 
 
 def test_module_does_not_import_vllm():
@@ -63,7 +40,7 @@ def test_state_dict_keys_are_checkpoint_keys():
 def test_incremental_kv_cache_equals_full_causal():
     cfg = small_config()
     head = random_head(cfg, dtype=torch.float64)
-    e, f = inputs(cfg, 11, dtype=torch.float64)
+    e, f = head_inputs(cfg, 11, dtype=torch.float64)
     pos = torch.arange(11)
     with torch.no_grad():
         full, k_full, v_full = head(e, f, pos)
@@ -83,11 +60,11 @@ def test_tree_mask_equals_per_path_forward():
     cfg = small_config()
     head = random_head(cfg, seed=3, dtype=torch.float64)
     P = 5
-    pe, pf = inputs(cfg, P, seed=4, dtype=torch.float64)
+    pe, pf = head_inputs(cfg, P, seed=4, dtype=torch.float64)
     # tree: 0 root children 1,2; 1 -> 3,4; 2 -> 5; 3 -> 6
     parents = [-1, 0, 0, 1, 1, 2, 3]
     T = len(parents)
-    te, tf = inputs(cfg, T, seed=5, dtype=torch.float64)
+    te, tf = head_inputs(cfg, T, seed=5, dtype=torch.float64)
     depth = []
     for p in parents:
         depth.append(0 if p < 0 else depth[p] + 1)
@@ -112,32 +89,6 @@ def test_tree_mask_equals_per_path_forward():
             torch.testing.assert_close(tree_out[i], o[-1], **F64)
 
 
-def compare_with_hf_layer(head, layer, rope, start: int, change=None) -> float:
-    """The head's forward over 9 random rows at positions ``start, start+1, ...``
-    against a transformers decoder layer (input norm replaced by Identity, as
-    vLLM's EAGLE-1 layer 0) fed by the head's ``fc`` and loaded with its
-    weights (``change(name, tensor)`` alters them first). Returns the max error."""
-    missing = layer.load_state_dict(
-        {k[len("layers.0."):]: (v if change is None else change(k, v))
-         for k, v in head.state_dict().items() if k.startswith("layers.")},
-        strict=False)
-    assert missing.missing_keys == ["input_layernorm.weight"] and not missing.unexpected_keys
-    layer.input_layernorm = torch.nn.Identity()
-    T = 9
-    e, f = inputs(head.config, T, seed=start)
-    pos = torch.arange(start, start + T)  # an offset start: RoPE must use the given positions
-    with torch.no_grad():
-        x = head.fc(torch.cat((e, f), -1))[None]
-        cos, sin = rope(x, pos[None])
-        causal = torch.full((T, T), float("-inf")).triu(1)[None, None]
-        ref = layer(x, attention_mask=causal, position_ids=pos[None],
-                    position_embeddings=(cos, sin))
-        ref = ref[0] if isinstance(ref, tuple) else ref
-        ours, _, _ = head(e, f, pos)
-    torch.testing.assert_close(ours, ref[0], atol=2e-5, rtol=1e-5)
-    return (ours - ref[0]).abs().max().item()
-
-
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_transformers_llama_decoder_layer(bias):
     from transformers import LlamaConfig
@@ -155,8 +106,8 @@ def test_matches_transformers_llama_decoder_layer(bias):
 def test_batched_forward_equals_single():
     cfg = small_config()
     head = random_head(cfg, seed=9, dtype=torch.float64)
-    e, f = inputs(cfg, 6, seed=10, dtype=torch.float64)
-    e2, f2 = inputs(cfg, 6, seed=11, dtype=torch.float64)
+    e, f = head_inputs(cfg, 6, seed=10, dtype=torch.float64)
+    e2, f2 = head_inputs(cfg, 6, seed=11, dtype=torch.float64)
     pos = torch.arange(6)
     with torch.no_grad():
         b, _, _ = head.forward_batched(torch.stack((e, e2)), torch.stack((f, f2)),
@@ -220,42 +171,25 @@ def test_save_load_round_trip(saved):
     assert half.fc.weight.dtype == torch.bfloat16
 
 
-def _rewrite(path, change):
-    t = load_file(str(path / "model.safetensors"))
-    change(t)
-    save_file(t, str(path / "model.safetensors"))
-
-
-def _both_fail(path, match, **kw):
-    with pytest.raises(SpecPlugConfigError, match=match) as e1:
-        load_head(path, **kw)
-    target = {"hidden_size": kw["hidden_size"]} if "hidden_size" in kw else None
-    if "vocab_size" in kw:
-        target = {**(target or {}), "vocab_size": kw["vocab_size"]}
-    with pytest.raises(SpecPlugConfigError, match=match) as e2:
-        check_head_folder(path, target)
-    return str(e1.value), str(e2.value)
-
-
 def test_missing_key(saved):
     _, _, path = saved
-    _rewrite(path, lambda t: t.pop("layers.0.mlp.up_proj.weight"))
-    msg, _ = _both_fail(path, r"missing tensor\(s\) layers.0.mlp.up_proj.weight")
+    rewrite_weights(path, lambda t: t.pop("layers.0.mlp.up_proj.weight"))
+    msg, _ = both_fail(path, r"missing tensor\(s\) layers.0.mlp.up_proj.weight")
     assert "model.safetensors" in msg
 
 
 def test_wrong_shape(saved):
     _, _, path = saved
-    _rewrite(path, lambda t: t.__setitem__("fc.weight", torch.zeros(64, 64)))
-    msg, _ = _both_fail(path, r"fc.weight has shape \[64, 64\], expected \[64, 128\]")
+    rewrite_weights(path, lambda t: t.__setitem__("fc.weight", torch.zeros(64, 64)))
+    msg, _ = both_fail(path, r"fc.weight has shape \[64, 64\], expected \[64, 128\]")
     assert "config.json" in msg
 
 
 def test_wrong_hidden_and_vocab_size(saved):
     _, _, path = saved
-    msg, _ = _both_fail(path, "hidden_size is 64 but the target's is 576", hidden_size=576)
+    msg, _ = both_fail(path, "hidden_size is 64 but the target's is 576", hidden_size=576)
     assert "train-eagle" in msg
-    _both_fail(path, "vocab_size is 50 but the target's is 49152", vocab_size=49152)
+    both_fail(path, "vocab_size is 50 but the target's is 49152", vocab_size=49152)
 
 
 def test_eagle3_loads_as_eagle3_head(saved, tmp_path):
@@ -281,39 +215,39 @@ def test_eagle3_loads_as_eagle3_head(saved, tmp_path):
         t["d2t"] = torch.zeros(50, dtype=torch.int64)
         t["fc.weight"] = torch.zeros(64, 192)
 
-    _rewrite(path, to_eagle3)
-    msg, _ = _both_fail(path, r"missing tensor\(s\) midlayer.input_layernorm.weight, "
+    rewrite_weights(path, to_eagle3)
+    msg, _ = both_fail(path, r"missing tensor\(s\) midlayer.input_layernorm.weight, "
                               r"midlayer.hidden_norm.weight, norm.weight; an EAGLE-3 head needs")
     assert "model.safetensors" in msg
 
 
 def test_fc_over_3_states_in_an_eagle1_folder(saved):
     _, _, path = saved
-    _rewrite(path, lambda t: t.__setitem__("fc.weight", torch.zeros(64, 192)))
-    _both_fail(path, r"fc.weight has shape \[64, 192\], expected \[64, 128\] .*an fc over 3 "
+    rewrite_weights(path, lambda t: t.__setitem__("fc.weight", torch.zeros(64, 192)))
+    both_fail(path, r"fc.weight has shape \[64, 192\], expected \[64, 128\] .*an fc over 3 "
                      r"hidden states is EAGLE-3's")
 
 
 def test_unknown_format_and_unexpected_keys(saved):
     _, _, path = saved
-    _rewrite(path, lambda t: t.__setitem__("fc.bias", torch.zeros(64)))
-    _both_fail(path, "unexpected tensor 'fc.bias'.*no fc bias")
-    _rewrite(path, lambda t: (t.pop("fc.bias"), t.__setitem__(
+    rewrite_weights(path, lambda t: t.__setitem__("fc.bias", torch.zeros(64)))
+    both_fail(path, "unexpected tensor 'fc.bias'.*no fc bias")
+    rewrite_weights(path, lambda t: (t.pop("fc.bias"), t.__setitem__(
         "layers.0.input_layernorm.weight", torch.ones(64))))
-    _both_fail(path, "input_layernorm")
+    both_fail(path, "input_layernorm")
     save_file({"medusa_head.0.weight": torch.zeros(4, 4)}, str(path / "model.safetensors"))
-    _both_fail(path, "not an EAGLE-1 head")
+    both_fail(path, "not an EAGLE-1 head")
 
 
 def test_tolerated_embed_and_lm_head(saved):
     _, _, path = saved
-    _rewrite(path, lambda t: t.update({"embed_tokens.weight": torch.zeros(50, 64),
+    rewrite_weights(path, lambda t: t.update({"embed_tokens.weight": torch.zeros(50, 64),
                                        "lm_head.weight": torch.zeros(50, 64)}))
     head, _ = load_head(path)
     assert head.ignored_tensors == ["embed_tokens.weight", "lm_head.weight"]
     check_head_folder(path)
-    _rewrite(path, lambda t: t.__setitem__("embed_tokens.weight", torch.zeros(49, 64)))
-    _both_fail(path, r"embed_tokens.weight has shape \[49, 64\]")
+    rewrite_weights(path, lambda t: t.__setitem__("embed_tokens.weight", torch.zeros(49, 64)))
+    both_fail(path, r"embed_tokens.weight has shape \[49, 64\]")
 
 
 def test_config_problems(saved, tmp_path):
@@ -321,28 +255,19 @@ def test_config_problems(saved, tmp_path):
     cfg_path = path / "config.json"
     d = json.loads(cfg_path.read_text())
     cfg_path.write_text(json.dumps({**d, "num_hidden_layers": 2}))
-    _both_fail(path, "num_hidden_layers is 2")
+    both_fail(path, "num_hidden_layers is 2")
     cfg_path.write_text("{not json")
-    _both_fail(path, "config.json: not valid JSON")
+    both_fail(path, "config.json: not valid JSON")
     cfg_path.unlink()
-    _both_fail(path, "config.json: no such file")
+    both_fail(path, "config.json: no such file")
     with pytest.raises(SpecPlugConfigError, match="does not exist"):
         load_head(tmp_path / "nope")
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / "config.json").write_text(json.dumps(d))
-    _both_fail(empty, "no model.safetensors")
+    both_fail(empty, "no model.safetensors")
     (empty / "model.safetensors").write_bytes(b"garbage")
-    _both_fail(empty, "not a readable safetensors file")
-
-
-def _bin_folder(saved, tmp_path, obj):
-    _, _, path = saved
-    folder = tmp_path / "bin"
-    folder.mkdir()
-    (folder / "config.json").write_text((path / "config.json").read_text())
-    torch.save(obj, folder / "pytorch_model.bin")
-    return folder
+    both_fail(empty, "not a readable safetensors file")
 
 
 class NotATensor:
@@ -351,7 +276,7 @@ class NotATensor:
 
 def test_bin_checkpoint(saved, tmp_path):
     head, cfg, _ = saved
-    folder = _bin_folder(saved, tmp_path, head.state_dict())
+    folder = bin_folder(saved, tmp_path, head.state_dict())
     loaded, _ = load_head(folder)
     assert torch.equal(loaded.fc.weight, head.fc.weight)
     check_head_folder(folder)
@@ -360,12 +285,12 @@ def test_bin_checkpoint(saved, tmp_path):
 def test_bin_with_non_tensor_content_refused(saved, tmp_path):
     head, _, _ = saved
     obj = {**head.state_dict(), "evil": NotATensor()}
-    folder = _bin_folder(saved, tmp_path, obj)
-    msg, _ = _both_fail(folder, "refused to load .*weights_only=True")
+    folder = bin_folder(saved, tmp_path, obj)
+    msg, _ = both_fail(folder, "refused to load .*weights_only=True")
     assert "pytorch_model.bin" in msg
     (folder / "pytorch_model.bin").unlink()
     torch.save({**head.state_dict(), "step": 3}, folder / "pytorch_model.bin")
-    _both_fail(folder, "entries that are not tensors: 'step'")
+    both_fail(folder, "entries that are not tensors: 'step'")
 
 
 # -------------------------------------------------------------------- trainer prompts

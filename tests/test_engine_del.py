@@ -104,7 +104,7 @@ def test_del_sampling_matches_plain_sampling(get_llm, plain_samples):
     (layer 8 drafts were accepted once in 1,200) and no confidence stop, so
     a draft is made every step; batch-aware budgets off (batches of 200).
     Passed on 2026-12-01 in 912 s."""
-    from test_engine_tree import N_SAMPLES, _chi2_same_distribution, _first_three
+    from helpers import N_SAMPLES, chi2_same_distribution, first_three
 
     from vllm_specplug.bench.engine import counter_delta, read_spec_counters
 
@@ -113,7 +113,7 @@ def test_del_sampling_matches_plain_sampling(get_llm, plain_samples):
                                    "del_exit_layer": 24, "del_confidence": 0.0,
                                    "batch_budget": "off"})
     before = read_spec_counters(llm)
-    samples = _first_three(llm)
+    samples = first_three(llm)
     delta = counter_delta(read_spec_counters(llm), before)
     assert delta["drafts"] > 0.5 * N_SAMPLES and delta["accepted"] > 0.05 * N_SAMPLES, delta
-    assert _chi2_same_distribution(plain, samples) > 1e-3
+    assert chi2_same_distribution(plain, samples) > 1e-3

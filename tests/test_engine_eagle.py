@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from helpers import assert_same_tokens, chat, pick
+from helpers import (assert_same_tokens, chat, chi2_same_distribution, engine_stats, first_three,
+                     pick)
 
 pytestmark = pytest.mark.engine
 
@@ -27,12 +28,6 @@ def _random_config(head):
 def _trained_config(head):
     return {"method": "eagle2", "model": head, "num_speculative_tokens": 8, "depth": 4,
             "topk": 4, "batch_budget": "off"}
-
-
-def _eagle_stats(llm):
-    from test_engine_tree import _stats
-
-    return llm.llm_engine.collective_rpc(_stats)[0]
 
 
 def _record(self):
@@ -52,7 +47,7 @@ def test_eagle2_random_head_greedy_is_identical(get_llm, spec_bench_prompts, eag
     llm = get_llm("eagle2_random", _random_config(eagle_random_head))
     outs = chat(llm, prompts, max_tokens=MAX_TOKENS)
     assert_same_tokens(ref, outs)
-    s = _eagle_stats(llm)
+    s = engine_stats(llm)
     assert s["errors"] == 0, s
     assert s["tree"]["tree_steps"] > 0, s
 
@@ -68,7 +63,7 @@ def test_eagle2_trained_head_greedy_is_identical_and_accepts(get_llm, spec_bench
     batch = chat(llm, prompts, max_tokens=MAX_TOKENS)
     assert_same_tokens(ref, batch)
     assert_same_tokens(ref[:len(single)], single)
-    s = _eagle_stats(llm)
+    s = engine_stats(llm)
     assert s["errors"] == 0, s
     assert s["tree"]["tree_accepted"] > 0.1 * s["tree"]["tree_steps"], s
 
@@ -130,7 +125,7 @@ def test_sam_eagle2_greedy_is_identical(get_llm, spec_bench_prompts, eagle_train
                                  "sam_eagle2_threshold": 3})
     outs = [chat(llm, [p], max_tokens=MAX_TOKENS)[0] for p in prompts]
     assert_same_tokens(ref, outs)
-    s = _eagle_stats(llm)
+    s = engine_stats(llm)
     assert s["errors"] == 0, s
     p = s["proposer"]
     assert p["sam_steps"] > 0 and p["eagle2_steps"] + p["none_steps"] > 0, p
@@ -144,14 +139,12 @@ def test_eagle2_sampling_matches_plain_sampling(get_llm, eagle_trained_head, pla
     samples against 2,000 plain ones). The trained head's drafts are often
     accepted, so acceptance and the residual path are both exercised (the
     random head at batch 200 took over 12 minutes here: left out)."""
-    from test_engine_tree import _chi2_same_distribution, _first_three
-
     n = 600
     plain = plain_samples
     llm = get_llm("eagle2_trained", _trained_config(eagle_trained_head))
-    before = _eagle_stats(llm)["tree"]
-    samples = _first_three(llm, n)
-    after = _eagle_stats(llm)["tree"]
+    before = engine_stats(llm)["tree"]
+    samples = first_three(llm, n)
+    after = engine_stats(llm)["tree"]
     assert after["tree_steps"] - before["tree_steps"] > 0.5 * n, after
     assert after["tree_accepted"] - before["tree_accepted"] > 0.05 * n, after
-    assert _chi2_same_distribution(plain, samples) > 1e-3
+    assert chi2_same_distribution(plain, samples) > 1e-3

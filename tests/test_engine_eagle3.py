@@ -85,7 +85,7 @@ def _chain(head, model, prompt_ids, first_token, vllm_draft, k):
 
 @pytest.mark.slow
 def test_vllm_eagle3_first_draft_equals_eagle3_head(eagle3_head, model_path, tmp_path):
-    import test_train_eagle as tte
+    import capture_vllm_drafts as tte
 
     from vllm_specplug.eagle import load_head
     from vllm_specplug.eagle.train import load_target
@@ -123,7 +123,7 @@ def _recent(self):
 
 @pytest.mark.slow
 def test_eagle2_with_an_eagle3_head(get_llm, model_path, spec_bench_prompts, eagle3_head):
-    from test_engine_eagle import _eagle_stats
+    from helpers import engine_stats
 
     from vllm_specplug.eagle import load_head
     from vllm_specplug.eagle.train import load_target
@@ -134,7 +134,7 @@ def test_eagle2_with_an_eagle3_head(get_llm, model_path, spec_bench_prompts, eag
     llm.llm_engine.collective_rpc(_record)
     outs = chat(llm, prompts, max_tokens=MAX_TOKENS)
     assert_same_tokens(ref, outs)
-    s = _eagle_stats(llm)
+    s = engine_stats(llm)
     assert s["errors"] == 0, s
     assert s["tree"]["tree_steps"] > 0, s
     recent = llm.llm_engine.collective_rpc(_recent)[0]

@@ -5,15 +5,12 @@ import json
 
 import pytest
 
-from helpers import RUN_SLOW, assert_same_tokens, chat, pick
+from helpers import (N_SAMPLES, assert_same_tokens, chat, chi2_same_distribution,
+                     drafter_stats, first_three, pick)
 
 pytestmark = pytest.mark.engine
 
 MAX_TOKENS = 40
-
-
-def _stats(worker):
-    return worker.model_runner.drafter.stats()
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +35,7 @@ def test_oracle_tree_accepts_exactly_the_hidden_path(get_llm, prompts, reference
     outs = chat(llm, prompts, max_tokens=MAX_TOKENS)
     for a, b in zip(ref, outs):
         assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids)
-    s = llm.llm_engine.collective_rpc(_stats)[0]
+    s = llm.llm_engine.collective_rpc(drafter_stats)[0]
     p = s["proposer"]
     assert p["steps"] > 20
     # tau = hidden depth + 1 on every step: the accepted count equals the depth.
@@ -53,7 +50,7 @@ def test_random_trees_keep_output_identical(get_llm, prompts, reference):
     outs = chat(llm, prompts, max_tokens=MAX_TOKENS)
     for a, b in zip(ref, outs):
         assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids)
-    s = llm.llm_engine.collective_rpc(_stats)[0]
+    s = llm.llm_engine.collective_rpc(drafter_stats)[0]
     assert s["tree"]["tree_steps"] > 0 and s["errors"] == 0, s
 
 
@@ -77,50 +74,12 @@ def test_seeded_tree_sampling_is_reproducible(get_llm):
 # chunked in a large batch, "CPU Generator does not use offset", with or
 # without speculation.) N is 1,000 in the default tier and 2,000 with
 # SPECPLUG_SLOW_TESTS=1 (the plain sample is shared, so one N per run).
-N_SAMPLES = 2000 if RUN_SLOW else 1000
-# A raw 5-token prompt, not a chat: vLLM's CPU KV blocks hold 128 tokens, so
-# 200 copies of a short prompt share no cached block and each is prefilled;
-# the chat template's 34 tokens made a batch of 200 take ~26 s, this ~5 s.
-SAMPLING_PROMPT = "Name a colour:"
-
-
-def _first_three(llm, n: int = N_SAMPLES):
-    from vllm import SamplingParams
-
-    params = SamplingParams(temperature=0.8, top_k=6, max_tokens=3)
-    # top_k matters: vLLM 0.32's rejection sampler dies on steps where no
-    # request has a draft and some request uses top_k (apply_top_k_only on an
-    # empty tensor); our _sample patch samples those steps with the plain
-    # sampler. Batches of 200 keep the run short and the batch mixed.
-    out = []
-    for _ in range(n // 200):
-        outs = llm.generate([SAMPLING_PROMPT] * 200, params, use_tqdm=False)
-        out += [tuple(o.outputs[0].token_ids) for o in outs]
-    return out
-
-
-def _chi2_same_distribution(a, b) -> float:
-    from collections import Counter
-
-    import numpy as np
-    from scipy.stats import chi2_contingency
-
-    ca, cb = Counter(a), Counter(b)
-    keys = sorted(set(ca) | set(cb), key=lambda k: -(ca[k] + cb[k]))
-    table = np.array([[ca[k] for k in keys], [cb[k] for k in keys]], dtype=float)
-    expected = table.sum(0) * table.sum(1, keepdims=True) / table.sum()
-    keep = expected.min(0) >= 5
-    pooled = np.concatenate([table[:, keep], table[:, ~keep].sum(1, keepdims=True)], axis=1)
-    pooled = pooled[:, pooled.sum(0) > 0]
-    return float(chi2_contingency(pooled)[1])
-
-
 @pytest.mark.slow
 def test_plain_sampling_passes_the_engine_sampling_test(get_llm, plain_samples):
     """The tolerance's own check with the real engine: a second plain sample
     passes against the first (test_scorers checks the statistic itself)."""
-    other_plain = _first_three(get_llm("plain"))
-    assert _chi2_same_distribution(plain_samples, other_plain) > 1e-3
+    other_plain = first_three(get_llm("plain"))
+    assert chi2_same_distribution(plain_samples, other_plain) > 1e-3
 
 
 def test_tree_sampling_matches_plain_sampling(get_llm, plain_samples):
@@ -132,12 +91,12 @@ def test_tree_sampling_matches_plain_sampling(get_llm, plain_samples):
     llm = get_llm("random_tree_sampling",
                   {"method": "debug_random_tree", "num_speculative_tokens": 6,
                    "random_tokens": ",".join(map(str, common))})
-    before = llm.llm_engine.collective_rpc(_stats)[0]["tree"]
-    tree = _first_three(llm)
-    after = llm.llm_engine.collective_rpc(_stats)[0]["tree"]
+    before = llm.llm_engine.collective_rpc(drafter_stats)[0]["tree"]
+    tree = first_three(llm)
+    after = llm.llm_engine.collective_rpc(drafter_stats)[0]["tree"]
     assert after["tree_steps"] - before["tree_steps"] > 0.5 * N_SAMPLES
     assert after["tree_accepted"] - before["tree_accepted"] > 0.1 * N_SAMPLES
-    assert _chi2_same_distribution(plain_samples, tree) > 1e-3
+    assert chi2_same_distribution(plain_samples, tree) > 1e-3
 
 
 @pytest.mark.slow
@@ -148,12 +107,12 @@ def test_sam_tr_sampling_matches_plain_sampling(get_llm, plain_samples):
     most drafts at that batch size)."""
     llm = get_llm("sam_tr_sampling", {"method": "sam_tr", "num_speculative_tokens": 3,
                                       "batch_budget": "off"})
-    before = llm.llm_engine.collective_rpc(_stats)[0]["tree"]
-    samples = _first_three(llm)
-    after = llm.llm_engine.collective_rpc(_stats)[0]["tree"]
+    before = llm.llm_engine.collective_rpc(drafter_stats)[0]["tree"]
+    samples = first_three(llm)
+    after = llm.llm_engine.collective_rpc(drafter_stats)[0]["tree"]
     assert after["tree_steps"] - before["tree_steps"] > 0.2 * N_SAMPLES, after
     assert after["tree_accepted"] - before["tree_accepted"] > 0.05 * N_SAMPLES, after
-    assert _chi2_same_distribution(plain_samples, samples) > 1e-3
+    assert chi2_same_distribution(plain_samples, samples) > 1e-3
 
 
 @pytest.mark.parametrize("acceptance", [None, pytest.param("block", marks=pytest.mark.slow)])
@@ -180,21 +139,21 @@ def test_chain_sampling_matches_plain_sampling(get_llm, plain_samples, acceptanc
         spec["acceptance"] = acceptance
     llm = get_llm(f"random_chain_sampling_{acceptance}", spec)
     before = read_spec_counters(llm)
-    tree_before = llm.llm_engine.collective_rpc(_stats)[0]["tree"]
-    chain = _first_three(llm)
+    tree_before = llm.llm_engine.collective_rpc(drafter_stats)[0]["tree"]
+    chain = first_three(llm)
     delta = counter_delta(read_spec_counters(llm), before)
-    tree = llm.llm_engine.collective_rpc(_stats)[0]["tree"]
+    tree = llm.llm_engine.collective_rpc(drafter_stats)[0]["tree"]
     assert delta["drafts"] > 0.5 * N_SAMPLES and delta["accepted"] > 0.1 * N_SAMPLES, delta
     # on our path exactly when a non-default acceptance rule is chosen
     routed = tree["tree_steps"] - tree_before["tree_steps"]
     assert (routed > 0.5 * N_SAMPLES) if acceptance else routed == 0, tree
-    assert _chi2_same_distribution(plain_samples, chain) > 1e-3
+    assert chi2_same_distribution(plain_samples, chain) > 1e-3
 
 
 # ------------------------------------------------------------ Token Recycling
 
 def _tr_stats(llm):
-    return llm.llm_engine.collective_rpc(_stats)[0]
+    return llm.llm_engine.collective_rpc(drafter_stats)[0]
 
 
 def test_token_recycling_greedy_is_identical_in_a_mixed_batch(get_llm, spec_bench_prompts):

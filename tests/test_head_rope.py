@@ -23,7 +23,7 @@ from vllm_specplug.eagle import Eagle3Head, Eagle3HeadConfig, EagleHead, EagleHe
     check_head_folder, load_head, save_head, save_head3
 from vllm_specplug.options import SpecPlugConfigError
 
-from test_eagle_head import compare_with_hf_layer, random_head  # tests/ is on sys.path
+from helpers import compare_with_hf_layer, random_head
 
 BASE = {"hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 50, "rms_norm_eps": 1e-5,

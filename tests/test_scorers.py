@@ -1,68 +1,13 @@
 """Acceptance rules against plain sampling (statistical) and hand examples."""
 from __future__ import annotations
 
-import zlib
-from functools import lru_cache
-
 import numpy as np
 import pytest
-from scipy import stats
+from helpers import ALPHA, N, V, chi2_pvalue, sample_three, sampled_chain, target
 
 from vllm_specplug.proposers.base import Draft
 from vllm_specplug.scorers import GreedyScorer, RejectionScorer
 from vllm_specplug.scorers.base import Acceptance
-
-V = 5
-
-
-@lru_cache(maxsize=None)
-def target(prefix: tuple[int, ...]) -> np.ndarray:
-    """A fixed 'model': a distribution over V tokens for each prefix."""
-    seed = zlib.crc32(repr(prefix).encode())
-    p = np.random.default_rng(seed).dirichlet(np.full(V, 0.7))
-    p.setflags(write=False)
-    return p
-
-
-def rows_for(draft: Draft) -> np.ndarray:
-    parents = draft.parent_array()
-    prefixes: list[tuple[int, ...]] = []
-    for i, p in enumerate(parents):
-        prefixes.append((prefixes[p] if p >= 0 else ()) + (int(draft.tokens[i]),))
-    return np.stack([target(())] + [target(pre) for pre in prefixes])
-
-
-def sample_three(scorer, draft_fn, n: int, seed: int) -> np.ndarray:
-    """First three tokens of n generations: one verify step, then plain sampling."""
-    rng = np.random.default_rng(seed)
-    counts = np.zeros(V ** 3, dtype=np.int64)
-    for _ in range(n):
-        draft, q = draft_fn(rng)
-        acc = scorer.accept(draft, rows_for(draft), q, rng)
-        toks = acc.tokens(draft)
-        while len(toks) < 3:
-            toks.append(int(rng.choice(V, p=target(tuple(toks)))))
-        counts[toks[0] * V * V + toks[1] * V + toks[2]] += 1
-    return counts
-
-
-def expected_three() -> np.ndarray:
-    e = np.zeros(V ** 3)
-    for a in range(V):
-        for b in range(V):
-            for c in range(V):
-                e[a * V * V + b * V + c] = (target(())[a] * target((a,))[b]
-                                            * target((a, b))[c])
-    return e
-
-
-def chi2_pvalue(counts: np.ndarray) -> float:
-    e = expected_three() * counts.sum()
-    keep = e >= 5  # pool rare cells
-    obs = np.append(counts[keep], counts[~keep].sum())
-    exp = np.append(e[keep], e[~keep].sum())
-    return float(stats.chisquare(obs, exp).pvalue)
-
 
 # A tree: two root children (siblings, the second duplicates nothing), a chain
 # under the first, a sibling pair under it.
@@ -80,19 +25,6 @@ def sampled_tree(rng):
     q = rng.dirichlet(np.ones(V), size=TREE_PARENTS.size)
     toks = np.array([rng.choice(V, p=q[i]) for i in range(TREE_PARENTS.size)])
     return Draft(toks, TREE_PARENTS), q
-
-
-def sampled_chain(rng):
-    q = rng.dirichlet(np.ones(V), size=3)
-    toks = np.array([rng.choice(V, p=q[i]) for i in range(3)])
-    return Draft.chain(toks), q
-
-
-# Tolerance: the chi-square p-value of 12,000 samples of the first three tokens
-# against the exact distribution must exceed 1e-3; plain sampling passes the
-# same test (test_plain_sampling_passes_the_same_test) and a biased rule fails.
-N = 12000
-ALPHA = 1e-3
 
 
 def test_plain_sampling_passes_the_same_test():

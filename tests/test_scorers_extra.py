@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_scorers import ALPHA, N, V, chi2_pvalue, sample_three, sampled_chain
+from helpers import ALPHA, N, V, chi2_pvalue, sample_three, sampled_chain
 
 from vllm_specplug import registry as proposer_registry
 from vllm_specplug.options import SpecPlugConfigError

@@ -8,8 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from helpers import chat, pick, serve
-from test_server_tree import _ask
+from helpers import ask_served, chat, pick, serve
 
 pytestmark = pytest.mark.server
 
@@ -43,7 +42,7 @@ def test_served_method_concurrent_requests_match_plain(server, prompts_and_refer
     prompts, ref = prompts_and_reference
     # half streamed, half not, all at once
     with ThreadPoolExecutor(len(prompts)) as pool:
-        got = list(pool.map(lambda ip: _ask(server, ip[1], ip[0] % 2 == 1),
+        got = list(pool.map(lambda ip: ask_served(server, ip[1], ip[0] % 2 == 1, MAX_TOKENS),
                             enumerate(prompts)))
     for p, g, want in zip(prompts, got, ref):
         assert g == want, p[:80]

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from helpers import chat, pick, serve
+from helpers import ask_served, chat, pick, serve
 
 pytestmark = pytest.mark.server
 
@@ -30,18 +30,7 @@ def prompts_and_reference(get_llm, spec_bench_prompts):
 
 
 def _ask(base: str, prompt: str, stream: bool) -> list[int]:
-    from openai import OpenAI
-
-    client = OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=300)
-    kw = dict(model="smollm2", messages=[{"role": "user", "content": prompt}],
-              temperature=0, max_tokens=MAX_TOKENS, extra_body={"return_token_ids": True})
-    if not stream:
-        return client.chat.completions.create(**kw).choices[0].model_extra["token_ids"]
-    got: list[int] = []
-    for chunk in client.chat.completions.create(stream=True, **kw):
-        if chunk.choices:
-            got.extend(chunk.choices[0].model_extra.get("token_ids") or [])
-    return got
+    return ask_served(base, prompt, stream, MAX_TOKENS)
 
 
 @pytest.mark.slow

@@ -2,77 +2,23 @@
 and vLLM compatibility: a head saved by ``save_head`` runs in vLLM's own
 ``"method": "eagle"`` on this CPU build, and vLLM's first-step chain draft
 equals the chain ``EagleHead`` computes greedily from transformers' target
-features.
-
-Run as a script (``python tests/test_train_eagle.py HEAD OUT.json PROMPTS.json``)
-this file is the helper that captures vLLM's drafts: an in-process engine
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, uni-process executor) whose
-``EagleProposer.propose`` is wrapped to record its first return value.
+features (vLLM's drafts captured by tests/capture_vllm_drafts.py).
 """
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-NUM_DRAFT = 3
-COMPARE_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
-                   "List three uses of a paper clip."]
+import capture_vllm_drafts
+import pytest
+import torch
+from capture_vllm_drafts import COMPARE_PROMPTS, NUM_DRAFT
 
-
-def capture_vllm_drafts(head_dir: str, out_json: str, prompts_json: str,
-                        method: str = "eagle") -> None:
-    """For each prompt (one request at a time): the prompt ids, the first
-    sampled token and vLLM's first chain draft (``method``: vLLM's ``eagle``
-    or ``eagle3``)."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from transformers import AutoTokenizer
-    from vllm import LLM, SamplingParams
-    from vllm.v1.spec_decode.eagle import EagleProposer
-
-    from vllm_specplug.models import default_model_path
-
-    calls: list = []
-    original = EagleProposer.propose
-
-    def propose(self, *args, **kwargs):
-        out = original(self, *args, **kwargs)
-        calls.append(out.detach().cpu().tolist())
-        return out
-
-    EagleProposer.propose = propose
-    model = default_model_path()
-    tok = AutoTokenizer.from_pretrained(model)
-    llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=512, seed=0,
-              distributed_executor_backend="uni",
-              speculative_config={"method": method, "model": head_dir,
-                                  "num_speculative_tokens": NUM_DRAFT})
-    rows = []
-    for p in json.loads(Path(prompts_json).read_text()):
-        text = tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                       add_generation_prompt=True)
-        ids = tok(text, add_special_tokens=False)["input_ids"]
-        calls.clear()
-        o = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=3),
-                         use_tqdm=False)
-        rows.append({"prompt_ids": ids, "output_ids": list(o[0].outputs[0].token_ids),
-                     "first_draft": calls[0][0] if calls else None, "num_calls": len(calls)})
-    Path(out_json).write_text(json.dumps(rows))
-
-
-if __name__ == "__main__":
-    capture_vllm_drafts(*sys.argv[1:5])
-    sys.exit(0)
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from vllm_specplug.eagle import load_head  # noqa: E402
+from vllm_specplug.eagle import load_head
 from vllm_specplug.eagle.train import FeatureStore, TrainArgs, evaluate, init_head, load_target, \
-    run, target_head_config  # noqa: E402
+    run, target_head_config
 
 pytestmark = pytest.mark.engine
 
@@ -185,7 +131,8 @@ def test_vllm_eagle_first_draft_equals_eagle_head(tiny, model_path, tmp_path):
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps(COMPARE_PROMPTS))
     res = tmp_path / "drafts.json"
-    proc = subprocess.run([sys.executable, __file__, str(head_dir), str(res), str(prompts)],
+    proc = subprocess.run([sys.executable, capture_vllm_drafts.__file__, str(head_dir), str(res),
+                           str(prompts)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(res.read_text())
