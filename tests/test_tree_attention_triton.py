@@ -23,6 +23,7 @@ import subprocess
 import sys
 import zlib
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -294,6 +295,85 @@ def _interpreter_main() -> None:
             except Exception:  # noqa: BLE001 - reported to the parent test
                 results[f"{name}/{dtype_name}"] = traceback.format_exc()
     print(json.dumps(results))
+
+
+
+# ------------------------------------------------------------- warm-up
+
+class _Recorder:
+    """Stands in for the Triton kernel: records each launch's compile-time
+    constants (what makes Triton compile a variant) and launches nothing."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append({k: v for k, v in kwargs.items() if k.isupper()})
+        return launch
+
+
+@pytest.mark.skipif(not _triton_available(), reason="Triton is not installed")
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (32, 8), (64, 8), (28, 4)])
+@pytest.mark.parametrize("max_nodes", [64, 16, 5])
+def test_warm_up_compiles_every_variant_serving_uses(monkeypatch, heads, kv_heads, max_nodes):
+    """Every tree of 1 .. max_nodes nodes (the batch's largest tree picks the
+    variant) launches with constants warm_up already launched with."""
+    from vllm_specplug.kernels import tree_attention_triton as kt
+
+    rec = _Recorder()
+    monkeypatch.setattr(kt, "_tree_attention_kernel", rec)
+    head_size, page = 128, 16
+    q = torch.zeros(8, heads, head_size, dtype=torch.bfloat16)
+    kv = torch.zeros(4, page, kv_heads, head_size, dtype=torch.bfloat16)
+    table = torch.zeros(3, 40, dtype=torch.int32)
+    counts = kt.warm_up(q, kv, kv, table, 0.1, max_nodes=max_nodes)
+    warmed = [tuple(sorted(c.items())) for c in rec.launches]
+    assert len(warmed) == len(counts) == len(set(warmed))  # one launch per variant
+    for n in range(1, max_nodes + 1):
+        cfg = kt.launch_config(heads, kv_heads, head_size, page, torch.bfloat16, n)
+        assert tuple(sorted(cfg.items())) in warmed, (n, cfg)
+    # and the serving path's launcher uses exactly these constants
+    rec.launches.clear()
+    n = max_nodes
+    kt.paged_tree_attention(q, kv, kv, table[:1], torch.tensor([3]), torch.tensor([n]),
+                            torch.tensor([0]), torch.zeros(1, n, dtype=torch.int64), 0.1,
+                            check_inputs=False)
+    assert tuple(sorted(rec.launches[0].items())) in warmed
+
+
+def test_cuda_impl_warms_up_once_per_layout(monkeypatch):
+    """TreeFlashAttentionImpl (vLLM's FlashAttention forward stubbed; CPU
+    tensors) warms the kernel at its first forward with an allocated cache,
+    not again, and not for a second layer with the same dtypes and strides;
+    an empty cache (vLLM's profile run) warms nothing."""
+    pytest.importorskip("vllm")
+    import vllm.v1.attention.backends.flash_attn as fa
+
+    from vllm_specplug.kernels import tree_attention_triton as kt
+    from vllm_specplug.vllm_adapter import tree_attention_cuda as tac
+
+    rec = _Recorder()
+    monkeypatch.setattr(kt, "_tree_attention_kernel", rec)
+    monkeypatch.setattr(fa.FlashAttentionImpl, "forward", lambda self, *a, **k: a[6])
+    monkeypatch.setattr(tac, "_WARMED", set())
+    layers = [tac.TreeFlashAttentionImpl(8, 64, 0.125, 2, None, None, "auto") for _ in range(2)]
+    query = torch.zeros(5, 8 * 64)
+    output = torch.zeros(5, 8 * 64)
+    meta = SimpleNamespace(block_table=torch.zeros(4, 9, dtype=torch.int32))
+    empty = torch.zeros(0, 2, 16, 128)
+    layers[0].forward(None, query, None, None, empty, meta, output)
+    assert rec.launches == [] and not layers[0].tree_warm
+    kv = torch.zeros(6, 16, 2, 128).permute(0, 2, 1, 3)  # [blocks, kv heads, tokens, 2 * D]
+    for layer in layers:
+        layer.forward(None, query, None, None, kv, meta, output)
+        layer.forward(None, query, None, None, kv, meta, output)
+    group = 8 // 2
+    assert len(rec.launches) == len(kt.warm_up_node_counts(8, 2)) == len(
+        {kt.launch_config(8, 2, 64, 16, torch.float32, n)["BLOCK_M"] for n in range(1, 65)})
+    assert all(r["GROUP"] == group and r["PAGE"] == 16 for r in rec.launches)
+    assert all(layer.tree_warm for layer in layers)
+    assert (output == 0).all()  # vLLM's output untouched by the warm-up
 
 
 if __name__ == "__main__" and "--interpreter" in sys.argv:

@@ -174,11 +174,24 @@ if triton is not None:
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, DOT_FP32)
         return acc, l_i, m_new
 
-    # Integer arguments that change from step to step are not specialized on
-    # (Triton would otherwise compile a variant for 1, for multiples of 16 and
-    # for the rest): the variants are then only the constexprs of
+    def _jit(**kwargs):
+        """``triton.jit`` with these options, without the alignment one where
+        this Triton lacks it."""
+        try:
+            return triton.jit(**kwargs)
+        except TypeError:
+            kwargs.pop("do_not_specialize_on_alignment", None)
+            return triton.jit(**kwargs)
+
+    # Arguments that change from step to step are not specialized on (Triton
+    # would otherwise compile a variant for integers equal to 1, for multiples
+    # of 16 and for the rest, and for pointers 16-byte aligned or not: the
+    # per-step arguments are views of one int64 buffer, aligned or not with the
+    # number of tree requests): the variants are then only the constexprs of
     # :func:`launch_config`, which :func:`warm_up` compiles at engine start.
-    @triton.jit(do_not_specialize=["max_nodes", "stride_bits_r", "stride_table_r"])
+    @_jit(do_not_specialize=["max_nodes", "stride_bits_r", "stride_table_r"],
+          do_not_specialize_on_alignment=["table_ptr", "prefix_lens_ptr", "node_counts_ptr",
+                                          "query_start_ptr", "bits_ptr"])
     def _tree_attention_kernel(
             q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, prefix_lens_ptr, node_counts_ptr,
             query_start_ptr, bits_ptr, qk_scale,
