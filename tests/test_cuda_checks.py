@@ -219,3 +219,9 @@ def test_flash_attention_limits_in_our_words(monkeypatch):
     with pytest.raises(ValueError, match="--attention-backend FLASH_ATTN"):
         cuda_checks.check_cuda_tree_config(
             _cuda_config(backend=AttentionBackendEnum.TRITON_ATTN), capability=h100)
+
+
+def test_request_fallback_reason():
+    assert cuda_checks.request_fallback_reason(64, "cuda") is None
+    assert cuda_checks.request_fallback_reason(65, "cuda") == "more than 64 nodes"
+    assert cuda_checks.request_fallback_reason(65, "cpu") is None  # SDPA path: any size

@@ -268,3 +268,16 @@ def check_cuda_tree_config(vllm_config: Any, capability: Any = None) -> None:
             f"{'; '.join(problems)}")
     if attention is not None and attention.backend is None:
         attention.backend = flash
+
+
+def request_fallback_reason(num_nodes: int, device_type: str) -> str | None:
+    """Why one tree request must be verified as a chain on this device (None:
+    it can take the tree path): for ``tree_runtime._falls_back``, so that no
+    per-request condition raises mid-serving. The CUDA kernel holds one int64
+    ancestor bitmask per node (engine configurations with more draft tokens
+    are refused at start; this covers a tree that still has more nodes)."""
+    from ..kernels.tree_attention_triton import MAX_TREE_NODES
+
+    if device_type == "cuda" and num_nodes > MAX_TREE_NODES:
+        return f"more than {MAX_TREE_NODES} nodes"
+    return None
