@@ -23,8 +23,32 @@ _ENGINES: dict = {}
 # they run with SPECPLUG_SLOW_TESTS=1 (both tiers: over 90 minutes on 2 cores).
 from helpers import RUN_SLOW  # noqa: E402
 
+# The fast tier (`bash scripts/test.sh --fast`, SPECPLUG_FAST_TESTS=1): unit
+# and property tests only, each property test with a fifth of its hypothesis
+# examples (at least 10). CI's tier runs every example.
+FAST = os.environ.get("SPECPLUG_FAST_TESTS") == "1"
+FAST_EXAMPLES_DIVISOR = 5
+
+
+def _fewer_examples(items) -> None:
+    from hypothesis import settings
+
+    done = set()
+    for item in items:
+        test = getattr(item, "obj", None)
+        # hypothesis keeps a @given test's settings (its @settings included)
+        # here and reads them at each call; other tests have none
+        current = getattr(test, "_hypothesis_internal_use_settings", None)
+        if current is None or id(test) in done:
+            continue
+        done.add(id(test))
+        test._hypothesis_internal_use_settings = settings(
+            current, max_examples=max(10, current.max_examples // FAST_EXAMPLES_DIVISOR))
+
 
 def pytest_collection_modifyitems(config, items):
+    if FAST:
+        _fewer_examples(items)
     if RUN_SLOW:
         return
     skip = pytest.mark.skip(reason="second tier: run with SPECPLUG_SLOW_TESTS=1")

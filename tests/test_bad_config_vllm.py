@@ -45,6 +45,7 @@ def test_vllm_methods_still_work_through_the_patch(model_path):
     assert "bogus_key" in str(e.value)
 
 
+@pytest.mark.server  # a `vllm serve` process (it stops before its engine): ~1 min
 def test_serve_cli_rejects_bad_key_before_engine_start(model_path):
     t = time.perf_counter()
     r = subprocess.run(
