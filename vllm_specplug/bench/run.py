@@ -57,8 +57,7 @@ def _takes_head(method: str) -> bool:
         return True
     from ..registry import get_proposer_class, proposer_names
 
-    return method in proposer_names() and bool(
-        getattr(get_proposer_class(method), "takes_model_path", False))
+    return method in proposer_names() and get_proposer_class(method).takes_model_path
 
 
 def suffix_available() -> bool:
