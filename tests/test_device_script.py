@@ -77,3 +77,18 @@ def test_tree_helpers_match_the_package(n):
         assert mod.ancestor_bits(parents) == ancestor_bits_from_parents(parents).tolist()
         assert np.array_equal(mod.masks_of([parents])[0].numpy(),
                               ancestor_mask(np.asarray(parents)))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+def test_cpu_check_of_the_cuda_impl():
+    """scripts/cpu_check_tree_attention_cuda.py: TreeFlashAttentionImpl's
+    refusals at build, its forward (vLLM's FlashAttention stubbed, the kernel
+    under Triton's interpreter, warm-up included) against the CPU path's SDPA.
+    About 25 s here."""
+    pytest.importorskip("vllm")
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" /
+                                               "cpu_check_tree_attention_cuda.py")],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), (
+        proc.stdout[-3000:] + proc.stderr[-3000:])
