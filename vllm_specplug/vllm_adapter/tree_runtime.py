@@ -37,6 +37,7 @@ from ..proposers.base import Draft
 from ..scorers import GreedyScorer, RejectionScorer
 from ..tree import ancestor_mask, compaction_moves, depths
 from . import cpu_kv, cuda_kv
+from .request_options import fallback_reason, stop_tokens_to_mask
 
 logger = logging.getLogger("vllm_specplug")
 
@@ -54,6 +55,10 @@ class TreeRequest:
     # A chain (routed here for a non-default acceptance rule): vLLM's causal
     # attention is already right for it, so its rows are not recomputed.
     chain: bool = False
+    # min_tokens: the stop tokens are masked in the rows of depth < stop_levels
+    # (root row: depth 0), as plain decoding masks them (request_options)
+    stop_levels: int = 0
+    stop_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -142,20 +147,13 @@ def take_accepted_paths() -> dict[str, list[int]]:
     return out
 
 
-def _falls_back(runner, row: int) -> str | None:
-    """Why a request must be verified as a chain instead (None: it can be a tree)."""
-    sm = runner.input_batch.sampling_metadata
-    if not sm.no_penalties:
-        return "penalties"
-    if sm.max_num_logprobs is not None:
-        return "logprobs"
-    if sm.bad_words_token_ids:
-        return "bad words"
-    if sm.allowed_token_ids_mask is not None:
-        return "allowed token ids"
-    if getattr(runner, "uses_mrope", False):
+def _falls_back(runner, req_id: str, row: int) -> str | None:
+    """Why a request must be verified as a chain instead (None: it can be a
+    tree); every request option is accounted for in ``request_options``."""
+    if runner.uses_mrope:
         return "M-RoPE"
-    return None
+    return fallback_reason(runner.requests[req_id].sampling_params, row,
+                           runner.input_batch.sampling_metadata)
 
 
 def prepare_tree_requests(runner, scheduler_output) -> None:
@@ -173,7 +171,6 @@ def prepare_tree_requests(runner, scheduler_output) -> None:
     table = runner.input_batch.block_table[0]
     bs = table.block_size
     block_table = table.block_table.np
-    structured = set(getattr(scheduler_output, "structured_output_request_ids", None) or ())
     positions = None  # host copy (CPU: the tensor itself), read once
     for req_id, toks in spec.items():
         tree = drafter.trees.get(req_id)
@@ -186,13 +183,16 @@ def prepare_tree_requests(runner, scheduler_output) -> None:
             STEP.stats["fallbacks"] += 1
             continue
         parents = tree.parents[:n]
-        chain = Draft(np.asarray(toks), parents).is_chain
-        if chain and not drafter.route_chains:
-            continue
         row = runner.input_batch.req_id_to_index[req_id]
-        why = "structured output" if req_id in structured else _falls_back(runner, row)
+        # (counted for chains too: vLLM verifies the draft for this reason)
+        why = _falls_back(runner, req_id, row)
         if why:
             STEP.stats["fallbacks"] += 1
+            key = "fallback:" + why
+            STEP.stats[key] = STEP.stats.get(key, 0) + 1
+            continue
+        chain = Draft(np.asarray(toks), parents).is_chain
+        if chain and not drafter.route_chains:
             continue
         if positions is None:
             positions = runner.positions[: scheduler_output.total_num_scheduled_tokens].cpu()
@@ -203,6 +203,9 @@ def prepare_tree_requests(runner, scheduler_output) -> None:
             (base + d).astype(np.int64)).to(runner.positions.device)
         tr = tree_request(req_id, row, root_row, base, parents, toks, block_table[row], bs)
         tr.chain = chain
+        state = runner.requests[req_id]
+        tr.stop_levels, tr.stop_ids = stop_tokens_to_mask(state.sampling_params,
+                                                          len(state.output_token_ids))
         STEP.requests.append(tr)
     attended = [tr for tr in STEP.requests if not tr.chain]
     STEP.attended = bool(attended)
@@ -376,12 +379,14 @@ def accept_trees(runner, rows_per_request: list[torch.Tensor], sampler_output) -
     """Replace tree requests' outputs with tree acceptance, then compact KV."""
     sm = runner.input_batch.sampling_metadata
     out = sampler_output.sampled_token_ids
-    scorer = getattr(getattr(runner, "drafter", None), "scorer", None)
+    scorer = runner.drafter.scorer
     src: list[int] = []
     dst: list[int] = []
     for tr, rows in zip(STEP.requests, rows_per_request):
         n = tr.parents.size
         draft = Draft(tr.tokens, tr.parents)
+        if tr.stop_levels:
+            mask_stop_tokens(rows, tr)
         temp = float(sm.temperature[tr.row]) if sm.temperature is not None else 0.0
         if sm.all_greedy or temp < 1e-5:
             acc = _GREEDY.accept(draft, rows.numpy())
@@ -405,6 +410,15 @@ def accept_trees(runner, rows_per_request: list[torch.Tensor], sampler_output) -
     if src:  # requests own disjoint slots: one move per layer for the whole batch
         for kv in _distinct(runner.kv_caches):
             kv_module(kv).move(kv, src, dst)
+
+
+def mask_stop_tokens(rows: torch.Tensor, tr: TreeRequest) -> None:
+    """min_tokens: -inf for the stop tokens in the rows (root, then one per
+    node) whose depth is below ``tr.stop_levels``, in place."""
+    level = np.concatenate([[0], depths(tr.parents)])
+    masked = torch.from_numpy(np.flatnonzero(level < tr.stop_levels))
+    ids = torch.tensor(tr.stop_ids, dtype=torch.long)
+    rows[masked.unsqueeze(1), ids.unsqueeze(0)] = float("-inf")
 
 
 def kv_module(kv_cache: torch.Tensor):
