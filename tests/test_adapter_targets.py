@@ -50,6 +50,7 @@ VLLM_ATTRIBUTES = [
     ("vllm.v1.worker.gpu_input_batch", "InputBatch", "req_ids"),
     ("vllm.v1.worker.gpu_input_batch", "InputBatch", "req_id_to_index"),
     ("vllm.v1.worker.gpu_input_batch", "InputBatch", "num_tokens_no_spec"),
+    ("vllm.v1.worker.gpu_input_batch", "InputBatch", "token_ids_cpu"),
     ("vllm.v1.worker.gpu_input_batch", "InputBatch", "block_table"),
     ("vllm.v1.worker.block_table", "BlockTable", "block_size"),
     ("vllm.v1.worker.block_table", "BlockTable", "block_table"),
@@ -136,6 +137,25 @@ def test_vllm_attribute_exists(module, cls, attr):
 @pytest.mark.parametrize("module, name", VLLM_FUNCTIONS, ids=[n for _, n in VLLM_FUNCTIONS])
 def test_vllm_function_exists(module, name):
     assert hasattr(importlib.import_module(module), name), f"vLLM's {module} has no {name}"
+
+
+def test_vllm_calls_our_drafter_as_it_expects():
+    """vLLM's ``custom_class`` call of ``drafter.propose`` (and the CPU
+    runner's ``drafter.load_model``) match SpecPlugDrafter's signatures."""
+    from vllm.v1.worker import cpu_model_runner, gpu_model_runner
+
+    from vllm_specplug.vllm_adapter.drafter import SpecPlugDrafter
+
+    call = re.search(r'method == "custom_class":.*?\.propose\((.*?)\)\n',
+                     inspect.getsource(gpu_model_runner.GPUModelRunner.propose_draft_token_ids),
+                     re.DOTALL)
+    assert call, "GPUModelRunner.propose_draft_token_ids no longer calls a custom_class drafter"
+    args = [a.strip() for a in call.group(1).split(",") if a.strip()]
+    assert args == ["sampled_token_ids", "self.input_batch.num_tokens_no_spec",
+                    "self.input_batch.token_ids_cpu", "slot_mappings=slot_mappings"], args
+    inspect.signature(SpecPlugDrafter.propose).bind(None, [], None, None, slot_mappings=None)
+    assert "self.drafter.load_model(self.model)" in inspect.getsource(cpu_model_runner)
+    inspect.signature(SpecPlugDrafter.load_model).bind(None, None)
 
 
 def test_cpu_attention_sets_the_layers_isa():
