@@ -499,16 +499,18 @@ def section_verify_cost(device: str, smoke: bool, budget: Budget) -> dict:
 
 # ------------------------------------------------------ d. cuda_kv and warm-up
 
-def _flash_cache(num_blocks, heads, block, head_size, order, seed):
+def _flash_cache(num_blocks, heads, block, head_size, order, seed, dtype, device):
+    """A ``[B, H, N, 2D]`` view with physical axis order ``order`` (LBNHC: two
+    layers per block, layer 1), the same values and strides on any device."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
     shape = {"B": num_blocks, "H": heads, "N": block, "C": 2 * head_size}
-    if order == "LBNHC":  # two layers per block, take layer 1
+    if order == "LBNHC":
         raw = torch.randn(num_blocks, 2, block, heads, 2 * head_size, generator=gen)
-        return raw[:, 1].permute(0, 2, 1, 3)
+        return raw.to(device=device, dtype=dtype)[:, 1].permute(0, 2, 1, 3)
     raw = torch.randn(*(shape[a] for a in order), generator=gen)
-    return raw.permute(*(order.index(a) for a in "BHNC"))
+    return raw.to(device=device, dtype=dtype).permute(*(order.index(a) for a in "BHNC"))
 
 
 def section_cuda_kv(device: str, smoke: bool, budget: Budget) -> dict:
@@ -519,9 +521,9 @@ def section_cuda_kv(device: str, smoke: bool, budget: Budget) -> dict:
     block, rows = 16, []
     for order in ("BHNC", "BNHC", "LBNHC"):
         for dtype in (torch.bfloat16, torch.float16):
-            cpu = _flash_cache(12, 4, block, 64, order, seed=len(rows)).to(dtype)
-            # the same physical layout on the device (to() keeps the strides)
-            dev = cpu.to(device)
+            cpu = _flash_cache(12, 4, block, 64, order, len(rows), dtype, "cpu")
+            dev = _flash_cache(12, 4, block, 64, order, len(rows), dtype, device)
+            assert dev.stride() == cpu.stride() and torch.equal(dev.cpu(), cpu)
             slots = torch.randperm(12 * block, generator=torch.Generator().manual_seed(1))[:70]
             k_c, v_c = cuda_kv.gather(cpu, slots)
             k_d, v_d = cuda_kv.gather(dev, slots.to(device))
