@@ -20,6 +20,16 @@ class BenchError(RuntimeError):
     pass
 
 
+#: Engine settings of every benchmark engine unless ``engine`` overrides them:
+#: vLLM's worker runs inside the engine-core process ("uni" executor), one
+#: process start (torch and vLLM imported again) fewer per method than vLLM's
+#: default multiprocessing executor; the same for every method, so the
+#: comparison is unchanged. (Running the engine core in the calling process as
+#: well, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, fails in vLLM 0.32 once numba is
+#: imported: its Triton-override scan trips over llvmlite.)
+BENCH_ENGINE: dict[str, Any] = {"distributed_executor_backend": "uni"}
+
+
 def method_config(name: str, overrides: dict[str, dict] | None = None,
                   eagle_head: str | None = None) -> dict | None:
     """The speculative config of a method name (ours or a baseline).
@@ -101,6 +111,7 @@ def run_worker(cfg: dict, log_path: Path, raw_path: Path, on_progress=None) -> d
         cin, cout = Path(tmp) / "in.json", raw_path
         cin.write_text(json.dumps(cfg))
         cout.unlink(missing_ok=True)
+        t0 = time.perf_counter()
         with open(log_path, "a") as log:
             proc = subprocess.Popen([sys.executable, "-m", "vllm_specplug.bench.worker",
                                      str(cin), str(cout)], stdout=subprocess.PIPE,
@@ -115,7 +126,10 @@ def run_worker(cfg: dict, log_path: Path, raw_path: Path, on_progress=None) -> d
             rc = proc.wait()
         if rc != 0 or not cout.exists():
             raise BenchError(f"method {cfg['method_name']!r} failed (exit {rc}); see {log_path}")
-        return json.loads(cout.read_text())
+        out = json.loads(cout.read_text())
+        # the worker process from start to exit: imports, engine start, requests, shutdown
+        out["process_seconds"] = time.perf_counter() - t0
+        return out
 
 
 def counters_of(rows: list[dict]) -> Counters:
@@ -144,8 +158,12 @@ def run_bench(model: str, methods: list[str], prompts: list[dict], *, max_tokens
     if "suffix" in methods and not suffix_available():
         methods = [m for m in methods if m != "suffix"]
         notes.append("vLLM `suffix` skipped: arctic-inference is not installed "
-                     "(see README: `pip install --no-build-isolation arctic-inference==0.3.0`)")
+                     "(scripts/setup.sh installs it: `pip install --no-build-isolation "
+                     "arctic-inference==0.3.0`)")
     configs = {m: method_config(m, overrides, eagle_head) for m in methods}
+    engine = dict(engine or {})
+    if int(engine.get("tensor_parallel_size", 1)) == 1:
+        engine = {**BENCH_ENGINE, **engine}
     per_method_steps = len(prompts) * repeat + (1 if batch else 0)
     bar = tqdm(total=per_method_steps * len(methods), desc="bench", unit="req",
                disable=not progress)
@@ -154,7 +172,7 @@ def run_bench(model: str, methods: list[str], prompts: list[dict], *, max_tokens
         bar.set_postfix_str(m)
         cfg = {"method_name": m, "model": model, "speculative_config": configs[m],
                "prompts": prompts, "max_tokens": max_tokens, "temperature": temperature,
-               "repeat": repeat, "batch": batch, "engine": engine or {}}
+               "repeat": repeat, "batch": batch, "engine": engine}
         raw_path = out_dir / "raw" / f"{m}.json"
         if reuse_raw and raw_path.exists():
             raw[m] = json.loads(raw_path.read_text())
@@ -163,7 +181,7 @@ def run_bench(model: str, methods: list[str], prompts: list[dict], *, max_tokens
         raw[m] = run_worker(cfg, log_path, raw_path, on_progress=bar.update)
     bar.close()
     res = analyse(model, methods, configs, prompts, raw, notes, max_tokens=max_tokens,
-                  temperature=temperature, repeat=repeat, batch=batch)
+                  temperature=temperature, repeat=repeat, batch=batch, engine=engine)
     if quality if quality is not None else temperature > 0:
         add_quality(res, model, raw)
     return res
@@ -193,6 +211,7 @@ def analyse(model, methods, configs, prompts, raw, notes, **settings) -> dict:
         diffs = [r["id"] for r in rows if r["token_ids"] != base_ids.get((r["id"], r["repeat"]))]
         entry = {"speculative_config": configs[m],
                  "engine_start_seconds": raw[m]["engine_start_seconds"],
+                 "process_seconds": raw[m].get("process_seconds"),
                  "overall": summary(counters_of(rows), base_all),
                  "categories": {c: summary(counters_of([r for r in rows if r["category"] == c]),
                                            base_cat[c]) for c in categories},
