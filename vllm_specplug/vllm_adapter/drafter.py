@@ -28,6 +28,7 @@ from ..budget import (SAVE_EVERY, AcceptanceCalibration, StepCostModel, allocate
 from ..config import ADDITIONAL_CONFIG_KEY, build_proposer
 from ..proposers.base import Draft
 from . import stats_export
+from .drafter_state import DrafterState
 
 logger = logging.getLogger("vllm_specplug")
 
@@ -67,7 +68,7 @@ def _cpu_model() -> str:
     return platform.processor()
 
 
-class SpecPlugDrafter:
+class SpecPlugDrafter(DrafterState):
     def __init__(self, vllm_config: Any) -> None:
         from . import install_tree_patches, install_worker_patches
 

@@ -158,7 +158,7 @@ def _falls_back(runner, req_id: str, row: int) -> str | None:
 
 def prepare_tree_requests(runner, scheduler_output) -> None:
     """Fill STEP for this step and rewrite tree rows' position ids."""
-    from .drafter import SpecPlugDrafter
+    from .drafter_state import DrafterState as SpecPlugDrafter
 
     STEP.clear()
     drafter = getattr(runner, "drafter", None)

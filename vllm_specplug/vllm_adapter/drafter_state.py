@@ -1,0 +1,30 @@
+"""What the worker patches (``tree_runtime``, ``sample``) read from our drafter.
+
+:class:`~.drafter.SpecPlugDrafter` derives from :class:`DrafterState`. The tree
+runtime recognises our drafter with ``isinstance(runner.drafter,
+DrafterState)`` through this small module, so it never imports ``drafter.py``
+(which reads the tree runtime's counts for its stats): no import cycle.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ..proposers.base import Draft, TargetTopK
+
+
+class DrafterState:
+    """The drafter's per-step state that vLLM's runner patches read."""
+
+    #: req_id -> the tree drafted last (chains are not stored); a scheduled
+    #: draft is verified as a tree only if its tokens are a prefix of it
+    trees: dict[str, Draft]
+    #: whether chains are verified on the tree path too (a non-default
+    #: acceptance rule: ``scorer`` is set)
+    route_chains: bool
+    #: the acceptance rule for temperature > 0 (None: lossless rejection sampling)
+    scorer: Any
+    #: how many of the target's top tokens per verified position the proposer
+    #: wants (0: none); the ``_sample`` patch fills ``pending_topk``
+    target_topk_k: int
+    #: req_id -> TargetTopK of the step just verified, consumed by the next propose()
+    pending_topk: dict[str, TargetTopK]
