@@ -91,3 +91,4 @@ def test_docs_page_links_its_raw_figures_in_results(tmp_path):
     assert json.loads(raw.read_text())["methods"].keys() == {"plain", "sam"}
     assert "[benchmarks.json](../results/benchmarks.json)" in docs.read_text()
     assert not (docs.parent / "benchmarks.json").exists()
+

@@ -30,6 +30,15 @@ class BenchError(RuntimeError):
 BENCH_ENGINE: dict[str, Any] = {"distributed_executor_backend": "uni"}
 
 
+def bench_engine(engine: dict | None) -> dict:
+    """The engine settings of a benchmark run: ``BENCH_ENGINE`` under the
+    caller's ``engine``; the "uni" executor only for a single rank."""
+    engine = dict(engine or {})
+    if int(engine.get("tensor_parallel_size", 1)) * int(engine.get("pipeline_parallel_size", 1)) > 1:
+        return engine
+    return {**BENCH_ENGINE, **engine}
+
+
 def method_config(name: str, overrides: dict[str, dict] | None = None,
                   eagle_head: str | None = None) -> dict | None:
     """The speculative config of a method name (ours or a baseline).
@@ -161,9 +170,7 @@ def run_bench(model: str, methods: list[str], prompts: list[dict], *, max_tokens
                      "(scripts/setup.sh installs it: `pip install --no-build-isolation "
                      "arctic-inference==0.3.0`)")
     configs = {m: method_config(m, overrides, eagle_head) for m in methods}
-    engine = dict(engine or {})
-    if int(engine.get("tensor_parallel_size", 1)) == 1:
-        engine = {**BENCH_ENGINE, **engine}
+    engine = bench_engine(engine)
     per_method_steps = len(prompts) * repeat + (1 if batch else 0)
     bar = tqdm(total=per_method_steps * len(methods), desc="bench", unit="req",
                disable=not progress)
