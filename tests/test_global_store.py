@@ -138,6 +138,21 @@ def test_match_and_continuations_equal_brute_force(docs, query, max_tokens, num_
 
 
 @settings(max_examples=150, deadline=None)
+@given(before=docs_st, after=docs_st, query=query_st, k=st.integers(1, 6))
+def test_frequent_continuation_follows_documents_added_after_a_query(before, after, query, k):
+    """The per-state cache of the most frequent transition is redone when its
+    segment receives documents."""
+    g = GlobalStore(1000, num_segments=2)
+    for docs in (before, after):
+        for d in docs:
+            g.add(d)
+        seg, state, length = g.match(query)
+        segs = brute_segments(before + (after if docs is after else []), 1000, 2)
+        if length:
+            assert g.continuation(seg, state, k) == brute_frequent(query[-length:], segs[seg], k)
+
+
+@settings(max_examples=150, deadline=None)
 @given(steps=st.lists(st.one_of(
     st.tuples(st.just("add"), st.lists(st.integers(0, 3), min_size=1, max_size=10)),
     st.tuples(st.just("commit"), st.lists(st.integers(0, 3), min_size=1, max_size=4))),
@@ -360,3 +375,32 @@ def test_replay_many_gains_from_answers_that_repeat_across_requests():
     with_store = replay_many(SamProposer(8), requests, 8)
     assert without["generated"] == with_store["generated"] == 480
     assert without["tau"] < 1.2 and with_store["tau"] > 2.5
+
+
+# ------------------------------------------------- the drafter without vLLM
+def test_drafter_adds_a_finished_request_not_a_preempted_one(patch_calls):
+    """SpecPlugDrafter driven as the runner does (tests/helpers.step): the
+    runner's request-removed hook (``finish_request``) adds the output; a
+    request that only leaves the batch (preempted) is freed without it."""
+    from helpers import make_vllm_config, step
+
+    from vllm_specplug.vllm_adapter.drafter import SpecPlugDrafter
+
+    d = SpecPlugDrafter(make_vllm_config({"method": "sam", "num_speculative_tokens": 4}))
+    store = d.proposer.global_store
+    answer = ANSWER[:12]
+    hist = [1, 2, 3] + answer[:1]
+    step(d, ["a"], [hist], [[answer[0]]])
+    for t in answer[1:6]:
+        hist = hist + [t]
+        step(d, ["a"], [hist], [[t]])
+    step(d, ["b"], [[7, 7, 7, answer[0]]], [[answer[0]]])  # "a" left the batch: preempted
+    assert store.num_tokens == 0 and d.proposer.active_requests() == 1
+    for t in answer[6:]:                                      # "a" resumes, then finishes
+        hist = hist + [t]
+        step(d, ["a"], [hist], [[t]])
+    d.finish_request("a")
+    drafts = step(d, ["b"], [[7, 7, 7, answer[0], answer[1]]], [[answer[1]]])
+    assert store.documents() == [answer]
+    assert drafts == [answer[2:6]]
+

@@ -106,8 +106,29 @@ def _advance(h_keys, h_edges, e_tgt, st_link, st_len, state, length, tokens):
 
 
 @numba.njit(cache=True)
-def _frequent(head, e_tok, e_tgt, e_next, st_cnt, st_link, st_len, state, k, min_prob,
-              min_match, out):
+def _best_child(s, stamp, head, e_tok, e_tgt, e_next, st_cnt, c_edge, c_total, c_stamp):
+    """State s's most frequent transition (the smallest token on a tie) and the
+    total count of its transitions, cached per state until the segment changes
+    (``stamp``): a state with thousands of transitions is scanned once per
+    document added, not once per draft (a short match in a large segment)."""
+    if c_stamp[s] != stamp:
+        best_e, best_c, total = -1, -1, 0
+        e = head[s]
+        while e != -1:
+            c = st_cnt[e_tgt[e]]
+            total += c
+            if c > best_c or (c == best_c and e_tok[e] < e_tok[best_e]):
+                best_e, best_c = e, c
+            e = e_next[e]
+        c_edge[s] = best_e
+        c_total[s] = total
+        c_stamp[s] = stamp
+    return c_edge[s], c_total[s]
+
+
+@numba.njit(cache=True)
+def _frequent(head, e_tok, e_tgt, e_next, st_cnt, st_link, st_len, c_edge, c_total, c_stamp,
+              stamp, state, k, min_prob, min_match, out):
     """Walk from ``state`` taking the most frequent next token (the smallest id
     on a tie) while its share is at least ``min_prob``; a state with no
     continuation (all its occurrences end documents) continues its longest
@@ -116,24 +137,18 @@ def _frequent(head, e_tok, e_tgt, e_next, st_cnt, st_link, st_len, state, k, min
     n = 0
     s = state
     while n < k:
-        e = head[s]
-        while e == -1:
+        while head[s] == -1:
             s = st_link[s]
             if s <= 0 or st_len[s] < min_match:
                 return n
-            e = head[s]
-        best_t, best_s, best_c, total = -1, -1, -1, 0
-        while e != -1:
-            c = st_cnt[e_tgt[e]]
-            total += c
-            if c > best_c or (c == best_c and e_tok[e] < best_t):
-                best_t, best_s, best_c = e_tok[e], e_tgt[e], c
-            e = e_next[e]
+        e, total = _best_child(s, stamp, head, e_tok, e_tgt, e_next, st_cnt, c_edge, c_total,
+                               c_stamp)
+        best_c = st_cnt[e_tgt[e]]
         if total <= 0 or best_c < min_prob * total:
             return n
-        out[n] = best_t
+        out[n] = e_tok[e]
         n += 1
-        s = best_s
+        s = e_tgt[e]
     return n
 
 
@@ -173,6 +188,11 @@ class _Segment:
         self.st_first = _zeros(max_states, np.int32)
         self.st_cnt = _zeros(max_states, np.int32)
         self.head = _zeros(max_states, np.int32)
+        # per state: most frequent transition, total count, segment version + 1
+        # they were computed at (0: not yet)
+        self.c_edge = _zeros(max_states, np.int32)
+        self.c_total = _zeros(max_states, np.int32)
+        self.c_stamp = _zeros(max_states, np.int32)
         self.e_tok = _zeros(max_edges, np.int32)
         self.e_tgt = _zeros(max_edges, np.int32)
         self.e_next = _zeros(max_edges, np.int32)
@@ -212,7 +232,8 @@ class _Segment:
                               min_match: int) -> list[int]:
         out = np.empty(k, dtype=np.int32)
         n = _frequent(self.head, self.e_tok, self.e_tgt, self.e_next, self.st_cnt,
-                      self.st_link, self.st_len, state, k, float(min_prob), min_match, out)
+                      self.st_link, self.st_len, self.c_edge, self.c_total, self.c_stamp,
+                      self.version + 1, state, k, float(min_prob), min_match, out)
         return out[:n].tolist()
 
     def resident_nbytes(self) -> int:
@@ -220,14 +241,15 @@ class _Segment:
         pages are all touched once it holds a few thousand edges): about what
         the segment holds in memory."""
         states, edges = int(self.counts[0]), int(self.counts[1])
-        return (4 * self.corpus_len + 5 * 4 * states + 3 * 4 * edges
+        return (4 * self.corpus_len + 8 * 4 * states + 3 * 4 * edges
                 + self.h_keys.nbytes + self.h_edges.nbytes)
 
     def allocated_nbytes(self) -> int:
         """Bytes reserved (the worst case, mostly never touched)."""
         return sum(a.nbytes for a in (self.corpus, self.st_len, self.st_link, self.st_first,
-                                      self.st_cnt, self.head, self.e_tok, self.e_tgt,
-                                      self.e_next, self.h_keys, self.h_edges))
+                                      self.st_cnt, self.head, self.c_edge, self.c_total,
+                                      self.c_stamp, self.e_tok, self.e_tgt, self.e_next,
+                                      self.h_keys, self.h_edges))
 
 
 # ------------------------------------------------------------------ store

@@ -189,7 +189,7 @@ class SamProposer(Proposer):
                minimum=0, maximum=1024),
         Option("sam_global_tokens", int, 500_000,
                "tokens kept in the worker's global store of finished requests' outputs "
-               "(about 110 bytes a token; 0: no global store)", minimum=0,
+               "(about 140 bytes a token resident, 160 reserved; 0: no global store)", minimum=0,
                maximum=1 << 28, check=_check_global_tokens),
         Option("sam_global_prompts", bool, False,
                "also add finished requests' prompts to the global store"),
