@@ -203,7 +203,7 @@ def test_memory_stays_bounded_over_many_documents():
     """1,000 requests of 200 tokens into a 50k-token store: the size stops
     growing once the ring is full (resident bytes measured from the arrays)."""
     rng = np.random.default_rng(0)
-    g = GlobalStore(50_000)
+    g = GlobalStore(50_000, num_segments=4)
     sizes = []
     for i in range(1000):
         g.add(rng.integers(0, 150_000, 200))
