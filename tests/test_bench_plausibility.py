@@ -92,3 +92,19 @@ def test_docs_page_links_its_raw_figures_in_results(tmp_path):
     assert "[benchmarks.json](../results/benchmarks.json)" in docs.read_text()
     assert not (docs.parent / "benchmarks.json").exists()
 
+
+def test_a_busy_machine_is_flagged_by_load_average():
+    plain = [_row(i, 64, 0, 6.4) for i in range(3)]
+    sam = [_row(i, 64, 16, 4.8) for i in range(3)]
+    for r in plain:
+        r["load_average"] = 3.4          # other work on a 2-core machine
+    for r in sam:
+        r["load_average"] = 1.1          # the engine alone
+    res = _result(plain, {"sam": sam})
+    res["environment"]["cores"] = 2
+    flags = check(res)
+    assert [f.method for f in flags] == ["plain"]
+    assert "load average 3.4 on 2 cores" in flags[0].message
+    for r in res["methods"]["plain"]["per_prompt"]:
+        r["load_average"] = 1.9
+    assert check(res) == []

@@ -1,4 +1,5 @@
-"""Flags for benchmark measurements that cannot be right.
+"""Flags for benchmark measurements that cannot be right, or were made on a
+busy machine.
 
 Speculation cannot beat its tau: a verify step does at least the work of a
 plain decoding step (plus drafting), and prefill is the same work for both,
@@ -7,6 +8,10 @@ target step), on every prompt and overall. A measured speedup above tau means
 the timing was disturbed: plain decoding ran slower than it can (the machine
 was busy), or the method ran while plain's run was slowed. Such numbers are
 flagged, not presented as results.
+
+Busy machine: the worker records the 1-minute load average after each request;
+a method whose mean exceeds the number of cores shared them with other work
+(its own engine runs one busy thread).
 
 Tolerances: overall, 5% above tau; per prompt, 10% (a single prompt's time is
 noisier). In the repository's quiet runs (``results/runs/hybrid_corpus.json``,
@@ -78,6 +83,14 @@ def check(res: dict) -> list[Flag]:
                                  f"prompts its speedup is more than "
                                  f"{PROMPT_TOLERANCE:.0%} above its tau there "
                                  f"(prompt ids {_ids(over)})"))
+    cores = (res.get("environment") or {}).get("cores")
+    for m in methods:
+        loads = [r["load_average"] for r in methods[m]["per_prompt"] if "load_average" in r]
+        if cores and loads and sum(loads) / len(loads) > cores:
+            flags.append(Flag(m, f"{m}: the machine was busy during its run (1-minute load "
+                                 f"average {sum(loads) / len(loads):.1f} on {cores} cores; this "
+                                 f"benchmark's own engine accounts for about 1): its tokens/s "
+                                 f"and every speedup against it are suspect"))
     if len(spec) >= 2:
         slow = [key for key, ms in over_by_prompt.items() if 2 * len(ms) > len(spec)]
         if slow:

@@ -5,6 +5,7 @@ Prints ``@@progress`` lines for the orchestrator's progress bar.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -33,7 +34,10 @@ def run(cfg: dict) -> dict:
             delta = counter_delta(read_spec_counters(llm), before)
             ids = list(out.outputs[0].token_ids)
             results.append({"id": p["id"], "category": p["category"], "repeat": rep,
-                            "token_ids": ids, "prompt_token_ids": list(out.prompt_token_ids), "generated": len(ids), "seconds": dt, **delta})
+                            "token_ids": ids, "prompt_token_ids": list(out.prompt_token_ids),
+                            "generated": len(ids), "seconds": dt,
+                            # runnable processes, 1-minute average (bench.plausibility)
+                            "load_average": os.getloadavg()[0], **delta})
             print("@@progress", flush=True)
     batch = None
     if cfg.get("batch"):
