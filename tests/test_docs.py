@@ -73,10 +73,11 @@ def test_every_patch_is_named_in_architecture():
                          f"(vllm_adapter/__init__.py: PATCHES)")
 
 
-def test_every_key_of_every_builtin_method_is_documented():
+def test_every_key_of_every_builtin_method_and_rule_is_documented():
     from vllm_specplug.budget import BATCH_BUDGET_KEY, DISABLE_BY_BATCH_SIZE_KEY
     from vllm_specplug.registry import BUILTIN_PROPOSERS, get_proposer_class
-    from vllm_specplug.scorers.registry import ACCEPTANCE_KEY
+    from vllm_specplug.scorers.registry import (ACCEPTANCE_KEY, get_scorer_class,
+                                                scorer_names)
 
     text = (ROOT / "docs" / "configuration.md").read_text()
     keys = {"num_speculative_tokens", ACCEPTANCE_KEY, BATCH_BUDGET_KEY,
@@ -84,6 +85,9 @@ def test_every_key_of_every_builtin_method_is_documented():
     for method in BUILTIN_PROPOSERS:
         assert f"`{method}`" in text, method
         keys |= {o.name for o in get_proposer_class(method).options}
+    for rule in scorer_names():
+        assert f"`{rule}`" in text or f'"{rule}"' in text, rule
+        keys |= {o.name for o in get_scorer_class(rule).options}
     missing = sorted(k for k in keys if f"`{k}`" not in text)
     assert not missing, f"docs/configuration.md does not document {missing}"
 
