@@ -5,7 +5,8 @@
 #                                   one real-engine check of each method and path
 #   bash scripts/test.sh --fast     day-to-day: unit and property tests only (no
 #                                   engine, no server, nothing marked slow; fewer
-#                                   hypothesis examples); skips set-up
+#                                   hypothesis examples); skips set-up. Measured
+#                                   here: 960 tests, 178 s wall, 105 s CPU (load 4-5)
 #   SPECPLUG_SLOW_TESTS=1 bash scripts/test.sh   both tiers
 #
 # Further arguments go to pytest (e.g. a test file, -k NAME).
