@@ -74,3 +74,28 @@ def test_sam_requests_state_is_freed(get_llm, spec_bench_prompts):
 
 def _drafter_stats(worker):
     return worker.model_runner.drafter.stats()
+
+
+def test_sam_drafts_repeated_answers_from_its_global_store(get_llm, lossless_prompts):
+    """Issue 20: prompts asked twice. The second round's answers are drafted
+    from the first round's outputs (the global store, on by default), and
+    both rounds equal plain decoding's (same batch of 3 as plain's)."""
+    from helpers import assert_same_tokens, engine_stats
+
+    prompts = lossless_prompts[:3]
+    plain = chat(get_llm("plain"), prompts, max_tokens=48)
+    llm = get_llm("sam_budget_off", SAM_BUDGET_OFF)
+    before = engine_stats(llm)["proposer"]
+    first = chat(llm, prompts, max_tokens=48)
+    mid = engine_stats(llm)["proposer"]
+    # the first round is added when the runner frees its requests, at the next
+    # step: the second round's first step
+    second = chat(llm, prompts, max_tokens=48)
+    after = engine_stats(llm)["proposer"]
+    assert_same_tokens(plain, first)
+    assert_same_tokens(plain, second)
+    generated = sum(len(o.outputs[0].token_ids) for o in second)
+    accepted = after["global_accepted"] - mid["global_accepted"]
+    # the answers repeat word for word: much of the second round comes from the store
+    assert accepted >= generated // 3, (before, mid, after)
+    assert after["global_store_tokens"] >= before["global_store_tokens"] + generated - 3
