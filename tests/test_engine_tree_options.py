@@ -112,7 +112,6 @@ def test_stopping_options_on_trees_are_plain_decoding(get_llm, mixed_prompts):
     ({"presence_penalty": 0.5, "frequency_penalty": 0.3}, "penalties"),
     ({"bad_words": [" the"]}, "bad words"),
     ({"logprob_token_ids": [13, 28]}, "logprobs"),
-    ({"thinking_token_budget": 8}, "thinking token budget"),
 ])
 def test_options_verified_as_chains_fall_back_and_match_plain(get_llm, mixed_prompts,
                                                               option, reason):
@@ -124,16 +123,25 @@ def test_options_verified_as_chains_fall_back_and_match_plain(get_llm, mixed_pro
     params = [SamplingParams(temperature=0, max_tokens=40, **option),
               SamplingParams(temperature=0, max_tokens=40)]
     prompts = mixed_prompts[:2]
-    try:
-        ref = _chat(plain, prompts, params)
-    except ValueError as e:  # an option this vLLM refuses without a reasoning parser
-        pytest.skip(f"vLLM refuses {option} here: {e}")
+    ref = _chat(plain, prompts, params)
     before = _tree_stats(tr)
     got = _chat(tr, prompts, params)
     after = _tree_stats(tr)
     assert got == ref
     assert _delta(after, before, "fallback:" + reason) > 0, after
     assert _delta(after, before, "tree_steps") > 0, after
+
+
+def test_thinking_token_budget_needs_a_reasoning_parser(get_llm):
+    """vLLM refuses thinking_token_budget without a reasoning parser, which the
+    embedded model has no tokens for; with one, the request falls back
+    (tests/test_request_options.py::test_fallback_reason)."""
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+
+    with pytest.raises(VLLMValidationError, match="reasoning"):
+        _chat(get_llm("tr_paper", TR_PAPER), SHORT[:1],
+              SamplingParams(temperature=0, max_tokens=8, thinking_token_budget=4))
 
 
 def test_allowed_token_ids_fall_back_and_match_plain(get_llm):

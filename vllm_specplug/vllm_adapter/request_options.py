@@ -57,8 +57,9 @@ SAMPLING_OPTIONS: dict[str, Option] = {
     "structured_outputs": Option(FALLBACK, "structured output (vLLM's grammar bitmask "
                                  "follows the flattened draft)", _ENGINE_TESTS),
     "thinking_token_budget": Option(FALLBACK, "thinking token budget (vLLM forces the "
-                                    "end-of-thinking tokens along the flattened draft)",
-                                    _ENGINE_TESTS),
+                                    "end-of-thinking tokens along the flattened draft); "
+                                    "vLLM refuses it without a reasoning parser",
+                                    "tests/test_request_options.py::test_fallback_reason"),
     "min_tokens": Option(TREE, "stop tokens masked in every node row whose position is "
                          "before min_tokens, as plain decoding masks them", _ENGINE_TESTS),
     "_all_stop_token_ids": Option(TREE, "the stop tokens min_tokens masks", _ENGINE_TESTS),

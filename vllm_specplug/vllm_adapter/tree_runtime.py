@@ -37,6 +37,7 @@ from ..proposers.base import Draft
 from ..scorers import GreedyScorer, RejectionScorer
 from ..tree import ancestor_mask, compaction_moves, depths
 from . import cpu_kv, cuda_kv
+from .cuda_checks import request_fallback_reason
 from .request_options import fallback_reason, stop_tokens_to_mask
 
 logger = logging.getLogger("vllm_specplug")
@@ -147,13 +148,15 @@ def take_accepted_paths() -> dict[str, list[int]]:
     return out
 
 
-def _falls_back(runner, req_id: str, row: int) -> str | None:
+def _falls_back(runner, req_id: str, row: int, num_nodes: int) -> str | None:
     """Why a request must be verified as a chain instead (None: it can be a
-    tree); every request option is accounted for in ``request_options``."""
+    tree); every request option is accounted for in ``request_options``, and
+    what the device's kernel cannot take in ``cuda_checks``."""
     if runner.uses_mrope:
         return "M-RoPE"
-    return fallback_reason(runner.requests[req_id].sampling_params, row,
-                           runner.input_batch.sampling_metadata)
+    return (fallback_reason(runner.requests[req_id].sampling_params, row,
+                            runner.input_batch.sampling_metadata)
+            or request_fallback_reason(num_nodes, runner.positions.device.type))
 
 
 def prepare_tree_requests(runner, scheduler_output) -> None:
@@ -185,7 +188,7 @@ def prepare_tree_requests(runner, scheduler_output) -> None:
         parents = tree.parents[:n]
         row = runner.input_batch.req_id_to_index[req_id]
         # (counted for chains too: vLLM verifies the draft for this reason)
-        why = _falls_back(runner, req_id, row)
+        why = _falls_back(runner, req_id, row, n)
         if why:
             STEP.stats["fallbacks"] += 1
             key = "fallback:" + why
