@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from vllm_specplug.cli import QUICK
+
 pytestmark = pytest.mark.engine
 
 
@@ -32,7 +34,7 @@ def test_bench_quick_end_to_end(model_path, tmp_path):
         for key in ("speculative_config", "overall", "categories", "per_prompt",
                     "outputs_differing_from_plain", "engine_start_seconds"):
             assert key in m, (name, key)
-        assert set(m["categories"]) == {"summarization", "rag", "coding"}
+        assert set(m["categories"]) == set(QUICK["categories"])
         o = m["overall"]
         for key in ("tau", "tokens_per_second", "speedup", "draft_tokens_per_step",
                     "acceptance_rate", "acceptance_per_position"):

@@ -6,7 +6,7 @@ import math
 import pytest
 
 from vllm_specplug.bench.engine import counter_delta
-from vllm_specplug.bench.run import BenchError, analyse, bench_engine, method_config
+from vllm_specplug.bench.run import BenchError, analyse, method_config
 from vllm_specplug.bench.stats import Counters, speedup, summary, total
 
 
@@ -132,11 +132,3 @@ def test_output_logprobs_match_a_token_by_token_computation(model_path):
     assert total == pytest.approx(want, abs=1e-3)
     assert mean_logprob([(total, n), (0.0, 0)]) == pytest.approx(want / n)
 
-
-def test_bench_engines_run_the_worker_in_the_engine_core_process_on_one_rank():
-    assert bench_engine(None) == {"distributed_executor_backend": "uni"}
-    assert bench_engine({"max_model_len": 2048}) == {"distributed_executor_backend": "uni",
-                                                     "max_model_len": 2048}
-    assert bench_engine({"distributed_executor_backend": "mp"}) == {
-        "distributed_executor_backend": "mp"}
-    assert bench_engine({"tensor_parallel_size": 2}) == {"tensor_parallel_size": 2}

@@ -20,25 +20,6 @@ class BenchError(RuntimeError):
     pass
 
 
-#: Engine settings of every benchmark engine unless ``engine`` overrides them:
-#: vLLM's worker runs inside the engine-core process ("uni" executor), one
-#: process start (torch and vLLM imported again) fewer per method than vLLM's
-#: default multiprocessing executor; the same for every method, so the
-#: comparison is unchanged. (Running the engine core in the calling process as
-#: well, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, fails in vLLM 0.32 once numba is
-#: imported: its Triton-override scan trips over llvmlite.)
-BENCH_ENGINE: dict[str, Any] = {"distributed_executor_backend": "uni"}
-
-
-def bench_engine(engine: dict | None) -> dict:
-    """The engine settings of a benchmark run: ``BENCH_ENGINE`` under the
-    caller's ``engine``; the "uni" executor only for a single rank."""
-    engine = dict(engine or {})
-    if int(engine.get("tensor_parallel_size", 1)) * int(engine.get("pipeline_parallel_size", 1)) > 1:
-        return engine
-    return {**BENCH_ENGINE, **engine}
-
-
 def method_config(name: str, overrides: dict[str, dict] | None = None,
                   eagle_head: str | None = None) -> dict | None:
     """The speculative config of a method name (ours or a baseline).
@@ -170,7 +151,7 @@ def run_bench(model: str, methods: list[str], prompts: list[dict], *, max_tokens
                      "(scripts/setup.sh installs it: `pip install --no-build-isolation "
                      "arctic-inference==0.3.0`)")
     configs = {m: method_config(m, overrides, eagle_head) for m in methods}
-    engine = bench_engine(engine)
+    engine = dict(engine or {})
     per_method_steps = len(prompts) * repeat + (1 if batch else 0)
     bar = tqdm(total=per_method_steps * len(methods), desc="bench", unit="req",
                disable=not progress)
