@@ -115,3 +115,8 @@ def test_min_tokens_masks_exactly_the_rows_plain_decoding_masks(data):
         want = done + length < min_tokens
         for t in range(10):
             assert (rows[r, t] == float("-inf")) == (want and t in stop), (r, t)
+
+
+def test_docs_page_shows_the_table():
+    text = (ROOT / "docs" / "request_options.md").read_text()
+    assert ro.markdown_table() in text

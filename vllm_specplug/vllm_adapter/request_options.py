@@ -173,3 +173,19 @@ def check_watermark(watermark_config) -> None:
         raise ValueError(
             "vllm_specplug methods run on vLLM's V1 model runner, which does not apply "
             "watermarks; remove --watermark-config or the speculative config")
+
+
+def markdown_table() -> str:
+    """``SAMPLING_OPTIONS`` as the Markdown table of docs/request_options.md."""
+    rows = ["| option | tree path | how | checked by |", "|---|---|---|---|"]
+    for name, opt in SAMPLING_OPTIONS.items():
+        test = f"`{opt.test}`" if opt.test else ""
+        rows.append(f"| `{name}` | {opt.kind} | {opt.how} | {test} |")
+    return "\n".join(rows) + "\n"
+
+
+def counts() -> dict[str, int]:
+    out: dict[str, int] = {}
+    for opt in SAMPLING_OPTIONS.values():
+        out[opt.kind] = out.get(opt.kind, 0) + 1
+    return out
