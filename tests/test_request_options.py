@@ -120,3 +120,29 @@ def test_min_tokens_masks_exactly_the_rows_plain_decoding_masks(data):
 def test_docs_page_shows_the_table():
     text = (ROOT / "docs" / "request_options.md").read_text()
     assert ro.markdown_table() in text
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data())
+def test_tree_target_distribution_is_vllms_sampler(data):
+    """The tree path's processed target distribution keeps exactly the tokens
+    vLLM's sampler keeps (temperature, top-k, top-p; logits with exact ties
+    drawn often) and renormalises them."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
+    from vllm_specplug.vllm_adapter.tree_runtime import _processed_probs
+
+    v = data.draw(st.integers(2, 12))
+    vals = data.draw(st.lists(st.sampled_from([-2.0, -1.0, 0.0, 0.5, 1.0, 3.0]),
+                              min_size=v, max_size=v))
+    temp = data.draw(st.sampled_from([0.5, 0.8, 1.0, 1.7]))
+    top_k = data.draw(st.integers(0, v))
+    top_p = data.draw(st.sampled_from([1.0, 0.9, 0.75, 0.5, 0.3, 0.1]))
+    logits = torch.tensor([vals], dtype=torch.float32)
+    ref = apply_top_k_top_p_pytorch(
+        logits.clone() / temp, torch.tensor([top_k]) if 0 < top_k < v else None,
+        torch.tensor([top_p]) if top_p < 1 else None, allow_cpu_sync=True)
+    want = torch.softmax(ref, dim=-1).double().numpy()[0]
+    got = _processed_probs(logits, temp, top_k, top_p)[0]
+    assert np.array_equal(got > 0, want > 0), (vals, temp, top_k, top_p, got, want)
+    np.testing.assert_allclose(got, want, atol=1e-6)

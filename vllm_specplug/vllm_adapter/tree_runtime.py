@@ -351,11 +351,13 @@ def _processed_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p
         kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
     if top_p < 1.0:
-        sorted_x, idx = torch.sort(x, dim=-1, descending=True)
-        cum = torch.softmax(sorted_x, dim=-1).cumsum(-1)
-        drop = cum - torch.softmax(sorted_x, dim=-1) > top_p
-        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
-        x = torch.full_like(x, float("-inf")).scatter(-1, idx, sorted_x)
+        # vLLM's own cut (apply_top_k_top_p_pytorch): ascending sort, drop the
+        # tokens whose cumulative mass from the bottom is <= 1 - p, keep the
+        # top one; the same sort call, so exact ties at the cut fall alike
+        sorted_x, idx = x.sort(dim=-1, descending=False)
+        drop = torch.cumsum(sorted_x.softmax(dim=-1), dim=-1) <= 1 - top_p
+        drop[..., -1] = False
+        x = x.scatter(-1, idx, sorted_x.masked_fill(drop, float("-inf")))
     return torch.softmax(x, dim=-1).double().numpy()
 
 
