@@ -116,3 +116,17 @@ def test_links_and_repository_paths_exist(page):
     broken = [f"{kind} {target}" for kind, target, base in _targets(page)
               if not (base / target).exists()]
     assert not broken, f"{page.relative_to(ROOT)}: {broken}"
+
+
+def test_results_index_lists_every_result():
+    """results/README.md names every file of results/ and every folder of
+    results/runs and results/serve (what it is, which doc cites it)."""
+    results = ROOT / "results"
+    index = (results / "README.md").read_text()
+    entries = [p for p in results.iterdir() if p.name != "README.md"]
+    entries += [p for sub in ("runs", "serve") if (results / sub).is_dir()
+                for p in (results / sub).iterdir()]
+    names = [p.relative_to(results).as_posix() + ("/" if p.is_dir() else "") for p in entries]
+    missing = sorted(n for n in names if f"`{n}`" not in index
+                     and not (n in ("runs/", "serve/")))
+    assert not missing, f"results/README.md does not index {missing}"
