@@ -15,8 +15,11 @@ class GreedyScorer(Scorer):
     def accept(self, draft: Draft, target_probs: np.ndarray,
                draft_probs: np.ndarray | None = None,
                rng: np.random.Generator | None = None) -> Acceptance:
+        return self.accept_argmax(draft, np.argmax(target_probs, axis=-1))
+
+    def accept_argmax(self, draft: Draft, argmax: np.ndarray) -> Acceptance:
+        """The same from the argmax of each row alone (root row first)."""
         children = children_lists(draft.parent_array())
-        argmax = np.argmax(target_probs, axis=-1)
         path: list[int] = []
         row = 0  # target_probs row of the current node (0: root)
         while True:

@@ -51,8 +51,9 @@ class TreeRequest:
     base: int             # position of the root
     parents: np.ndarray   # [n] scheduled nodes
     tokens: np.ndarray    # [n]
-    slots: torch.Tensor   # [base + 1 + n] KV slots of positions 0 .. base + n
-    mask: torch.Tensor    # [n, base + 1 + n] which keys each node attends to
+    # CPU path only (None on CUDA, whose kernel reads the block table itself):
+    slots: torch.Tensor | None   # [base + 1 + n] KV slots of positions 0 .. base + n
+    mask: torch.Tensor | None    # [n, base + 1 + n] which keys each node attends to
     # A chain (routed here for a non-default acceptance rule): vLLM's causal
     # attention is already right for it, so its rows are not recomputed.
     chain: bool = False
@@ -60,6 +61,19 @@ class TreeRequest:
     # (root row: depth 0), as plain decoding masks them (request_options)
     stop_levels: int = 0
     stop_ids: list[int] = field(default_factory=list)
+    block_row: np.ndarray | None = None   # the request's row of the block table
+    block_size: int = 0
+    greedy: bool = True   # accepted by argmax (only the argmax leaves the device)
+    # sampling parameters, from the request's SamplingParams on the host
+    temperature: float = 0.0
+    top_k: int = 0        # 0: off
+    top_p: float = 1.0
+
+    def slots_of(self, positions: list[int]) -> list[int]:
+        """KV slots of these positions of the request."""
+        pos = np.asarray(positions, dtype=np.int64)
+        return (self.block_row[pos // self.block_size].astype(np.int64) * self.block_size
+                + pos % self.block_size).tolist()
 
 
 @dataclass
@@ -204,11 +218,16 @@ def prepare_tree_requests(runner, scheduler_output) -> None:
         d = depths(parents)
         runner.positions[root_row + 1: root_row + 1 + n] = torch.from_numpy(
             (base + d).astype(np.int64)).to(runner.positions.device)
-        tr = tree_request(req_id, row, root_row, base, parents, toks, block_table[row], bs)
+        tr = tree_request(req_id, row, root_row, base, parents, toks, block_table[row], bs,
+                          dense=runner.positions.device.type != "cuda")
         tr.chain = chain
         state = runner.requests[req_id]
         tr.stop_levels, tr.stop_ids = stop_tokens_to_mask(state.sampling_params,
                                                           len(state.output_token_ids))
+        params = state.sampling_params
+        tr.greedy = params.temperature < 1e-5   # vLLM's greedy threshold (_SAMPLING_EPS)
+        tr.temperature, tr.top_k, tr.top_p = params.temperature, max(params.top_k, 0), \
+            params.top_p
         STEP.requests.append(tr)
     attended = [tr for tr in STEP.requests if not tr.chain]
     STEP.attended = bool(attended)
@@ -226,18 +245,26 @@ def prepare_tree_requests(runner, scheduler_output) -> None:
 
 
 def tree_request(req_id: str, row: int, root_row: int, base: int, parents: np.ndarray,
-                 toks, block_row: np.ndarray, block_size: int) -> TreeRequest:
+                 toks, block_row: np.ndarray, block_size: int,
+                 dense: bool = True) -> TreeRequest:
     """A tree request whose root is at position ``base`` and whose node i's KV
-    is at position base + 1 + i; ``block_row`` is its row of the block table."""
+    is at position base + 1 + i; ``block_row`` is its row of the block table.
+    ``dense``: also build the slots of the whole context and the [n, context]
+    mask the CPU path's SDPA needs (O(context) host work per step; the CUDA
+    kernel reads the block table and an ancestor bitmask instead)."""
     n = len(parents)
-    length = base + 1 + n
-    pos = np.arange(length)
-    slots = block_row[pos // block_size].astype(np.int64) * block_size + pos % block_size
-    mask = np.zeros((n, length), dtype=bool)
-    mask[:, : base + 1] = True
-    mask[:, base + 1:] = ancestor_mask(parents)
+    slots = mask = None
+    if dense:
+        length = base + 1 + n
+        pos = np.arange(length)
+        slots = torch.from_numpy(
+            block_row[pos // block_size].astype(np.int64) * block_size + pos % block_size)
+        m = np.zeros((n, length), dtype=bool)
+        m[:, : base + 1] = True
+        m[:, base + 1:] = ancestor_mask(parents)
+        mask = torch.from_numpy(m)
     return TreeRequest(req_id, row, root_row, base, parents, np.asarray(toks, dtype=np.int64),
-                       torch.from_numpy(slots), torch.from_numpy(mask))
+                       slots, mask, block_row=block_row, block_size=block_size)
 
 
 def build_flash_args(requests: list[TreeRequest], device) -> FlashTreeArgs:
@@ -370,13 +397,29 @@ def _rng_for(sm, row: int) -> np.random.Generator:
 
 
 def tree_logits(logits: torch.Tensor, spec_meta) -> list[torch.Tensor]:
-    """Each tree request's logits rows (root, then one per node), copied before
-    vLLM's sampler may process ``logits`` in place."""
+    """What acceptance needs of each tree request's logits rows (root, then one
+    per node), taken before vLLM's sampler may process ``logits`` in place:
+    greedy requests only the argmax of each row (int64 [n + 1], computed where
+    the logits are, after the min_tokens mask), sampled ones the rows (float32
+    [n + 1, vocab] on the host). ``STEP.stats['host_bytes']`` counts what is
+    copied."""
     cu = spec_meta.cu_num_sampled_tokens.cpu().numpy()
     out = []
     for tr in STEP.requests:
         first = int(cu[tr.row - 1]) if tr.row > 0 else 0
-        out.append(logits[first: first + tr.parents.size + 1].detach().float().cpu().clone())
+        rows = logits[first: first + tr.parents.size + 1].detach()
+        if tr.greedy:
+            if tr.stop_levels:
+                rows = rows.clone()
+                mask_stop_tokens(rows, tr)
+            got = rows.argmax(dim=-1).cpu()
+        else:
+            got = rows.float().cpu().clone()
+            if tr.stop_levels:
+                mask_stop_tokens(got, tr)
+        STEP.stats["host_bytes"] = (STEP.stats.get("host_bytes", 0)
+                                    + got.numel() * got.element_size())
+        out.append(got)
     return out
 
 
@@ -390,15 +433,10 @@ def accept_trees(runner, rows_per_request: list[torch.Tensor], sampler_output) -
     for tr, rows in zip(STEP.requests, rows_per_request):
         n = tr.parents.size
         draft = Draft(tr.tokens, tr.parents)
-        if tr.stop_levels:
-            mask_stop_tokens(rows, tr)
-        temp = float(sm.temperature[tr.row]) if sm.temperature is not None else 0.0
-        if sm.all_greedy or temp < 1e-5:
-            acc = _GREEDY.accept(draft, rows.numpy())
+        if tr.greedy:
+            acc = _GREEDY.accept_argmax(draft, rows.numpy())
         else:
-            top_k = int(sm.top_k[tr.row]) if sm.top_k is not None else 0
-            top_p = float(sm.top_p[tr.row]) if sm.top_p is not None else 1.0
-            probs = _processed_probs(rows, temp, top_k, top_p)
+            probs = _processed_probs(rows, tr.temperature, tr.top_k, tr.top_p)
             acc = (scorer or _REJECTION).accept(draft, probs, None, _rng_for(sm, tr.row))
         toks = acc.tokens(draft)
         ACCEPTED_PATHS[tr.req_id] = [int(j) for j in acc.path]
@@ -406,8 +444,8 @@ def accept_trees(runner, rows_per_request: list[torch.Tensor], sampler_output) -
         out[tr.row, : len(toks)] = torch.tensor(toks, dtype=out.dtype)
         moves = compaction_moves(acc.path)
         if moves:
-            src += [int(tr.slots[tr.base + 1 + s]) for s, _ in moves]
-            dst += [int(tr.slots[tr.base + 1 + t]) for _, t in moves]
+            src += tr.slots_of([tr.base + 1 + s for s, _ in moves])
+            dst += tr.slots_of([tr.base + 1 + t for _, t in moves])
             STEP.stats["compacted"] += 1
         STEP.stats["tree_steps"] += 1
         STEP.stats["tree_nodes"] += n
