@@ -211,12 +211,16 @@ def _structured_batch(mixed_prompts, temperature: float, copies: int = 1):
 @pytest.mark.parametrize("name, spec", [
     ("tr_paper", TR_PAPER),
     pytest.param("sam_tr_structured", SAM_TR, marks=pytest.mark.slow),
+    pytest.param("eagle2_trained", "eagle2", marks=pytest.mark.slow),
 ])
-def test_structured_output_with_trees(get_llm, mixed_prompts, name, spec):
+def test_structured_output_with_trees(get_llm, mixed_prompts, request, name, spec):
     """A batch mixing JSON-schema, regex and choice requests with unstructured
     ones: greedy output token-identical to plain decoding, every structured
     output valid at temperature 0 and 0.8, and the structured requests'
     drafts verified by vLLM (fallback) while the others' are trees."""
+    if spec == "eagle2":  # the trained head of tests/test_engine_eagle.py, same engine
+        spec = {"method": "eagle2", "model": request.getfixturevalue("eagle_trained_head"),
+                "num_speculative_tokens": 8, "depth": 4, "topk": 4, "batch_budget": "off"}
     llm, plain = get_llm(name, spec), get_llm("plain")
     prompts, params, kinds = _structured_batch(mixed_prompts, 0.0)
     msgs = [[{"role": "user", "content": p}] for p in prompts]
