@@ -416,7 +416,13 @@ COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 
 
 @pytest.fixture(scope="module")
-def server(model_path, tmp_path_factory):
+def stats_file(tmp_path_factory):
+    """Where the server's drafter writes its stats (VLLM_SPECPLUG_STATS_FILE)."""
+    return tmp_path_factory.mktemp("bad_inputs_stats") / "stats.json"
+
+
+@pytest.fixture(scope="module")
+def server(model_path, tmp_path_factory, stats_file):
     from vllm_specplug.bench.server import running_server
 
     log = tmp_path_factory.mktemp("bad_inputs_server") / "server.log"
@@ -425,7 +431,8 @@ def server(model_path, tmp_path_factory):
             json.dumps({"method": "sam_tr"})]
     try:
         with running_server(model_path, args, log,
-                            env={"VLLM_CPU_KVCACHE_SPACE": "1"}) as base:
+                            env={"VLLM_CPU_KVCACHE_SPACE": "1",
+                                 "VLLM_SPECPLUG_STATS_FILE": str(stats_file)}) as base:
             yield base
     except RuntimeError as e:
         pytest.fail(str(e))
@@ -532,7 +539,7 @@ def test_edge_requests_are_served(server, reference):
 
 
 @pytest.mark.server
-def test_options_a_tree_method_verifies_as_chains_are_served(server, reference):
+def test_options_a_tree_method_verifies_as_chains_are_served(server, reference, stats_file):
     """Structured output, logprobs, prompt logprobs, n>1 and top_k: the tree
     method falls back to chain verification for them (or samples); the
     requests succeed and greedy tokens stay those of the reference."""
@@ -546,6 +553,23 @@ def test_options_a_tree_method_verifies_as_chains_are_served(server, reference):
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     (c,) = ok(structured_outputs={"json": schema}, max_tokens=48)
     assert isinstance(json.loads(c["text"])["a"], int), c["text"]
+    # through the OpenAI API: choice, and a JSON schema as chat response_format
+    (c,) = ok(structured_outputs={"choice": ["cat", "dog"]})
+    assert c["text"] in ("cat", "dog"), c["text"]
+    person = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                               "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    for _ in range(2):
+        status, out = _post(server, CHAT, {
+            "model": SERVED, "max_tokens": 64, "temperature": 0.8,
+            "messages": [{"role": "user", "content": "A fictional person as JSON."}],
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"name": "person", "schema": person}}})
+        assert status == 200, out
+        got = json.loads(out["choices"][0]["message"]["content"])
+        assert set(got) == {"name", "age"} and isinstance(got["age"], int), got
+    # the structured requests' drafts were verified by vLLM, not as trees
+    assert json.loads(stats_file.read_text())["tree"]["fallback:structured output"] > 0
     (c,) = ok(logprobs=2, max_tokens=8)
     assert c["token_ids"] == reference[:8]
     assert len(c["logprobs"]["top_logprobs"]) == 8
@@ -672,3 +696,11 @@ def test_unsupported_rope_through_vllm_engine_args(engine_args, tmp_path):
                                                   "long_factor": [2.0] * 8}})
     with pytest.raises(SpecPlugConfigError, match=r"rope_scaling\['rope_type'\] 'longrope'"):
         engine_args(speculative_config={"method": "eagle2", "model": head})
+
+
+def test_watermark_engine_is_refused_with_our_methods(engine_args):
+    """vLLM applies watermarks only in its V2 model runner; our methods run on
+    V1, so a watermark configuration is refused before the engine starts
+    (docs/request_options.md)."""
+    with pytest.raises(ValueError, match="does not apply watermarks"):
+        engine_args(speculative_config={"method": "sam"}, watermark_config={"key": 7})
