@@ -225,3 +225,21 @@ def test_request_fallback_reason():
     assert cuda_checks.request_fallback_reason(64, "cuda") is None
     assert cuda_checks.request_fallback_reason(65, "cuda") == "more than 64 nodes"
     assert cuda_checks.request_fallback_reason(65, "cpu") is None  # SDPA path: any size
+
+
+def test_cpu_tree_layers_refuse_unsupported_attention_when_built():
+    """The CPU tree impl refuses at layer build (was: inside the forward)."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    from vllm_specplug.vllm_adapter.tree_attention import TreeCPUAttentionImpl
+
+    base = dict(num_heads=4, head_size=16, scale=0.25, num_kv_heads=2, alibi_slopes=None,
+                sliding_window=None, kv_cache_dtype="auto")
+    cfg = VllmConfig()
+    object.__setattr__(cfg, "model_config", SimpleNamespace(dtype=torch.float32))
+    with set_current_vllm_config(cfg):
+        TreeCPUAttentionImpl(**base)
+        for extra in (dict(sliding_window=32), dict(alibi_slopes=[0.5] * 4),
+                      dict(logits_soft_cap=30.0)):
+            with pytest.raises(NotImplementedError, match=r"sliding windows.*e\.g\. sam"):
+                TreeCPUAttentionImpl(**{**base, **extra})
