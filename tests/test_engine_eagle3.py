@@ -12,15 +12,12 @@
 """
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from capture_vllm_drafts import eagle3_features, head_chain, save_random_head, vllm_first_drafts
 from helpers import assert_same_tokens, chat, pick
 
 pytestmark = pytest.mark.engine
@@ -31,80 +28,24 @@ MAX_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def eagle3_head(model_path, tmp_path_factory):
-    from vllm_specplug.eagle.head3 import Eagle3Head, Eagle3HeadConfig, save_head3
-
-    target = json.loads((Path(model_path) / "config.json").read_text())
-    cfg = Eagle3HeadConfig.from_dict({**target, "num_hidden_layers": 1,
-                                      "draft_vocab_size": DRAFT_VOCAB},
-                                     num_target_layers=target["num_hidden_layers"])
-    torch.manual_seed(0)
-    head = Eagle3Head(cfg)
-    with torch.no_grad():
-        for name, p in head.named_parameters():
-            p.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.05)
-        # draft id i -> a spread of target ids (not the identity)
-        ids = np.sort(np.random.default_rng(0).choice(cfg.vocab_size, DRAFT_VOCAB,
-                                                      replace=False))
-        head.d2t.copy_(torch.as_tensor(ids - np.arange(DRAFT_VOCAB)))
-    out = tmp_path_factory.mktemp("eagle3_head")
-    save_head3(head, cfg, out)
-    return str(out)
-
-
-def _aux_features(model, head, ids):
-    """The head's fused target features for a context, from transformers:
-    the residual stream after the auxiliary layers (hidden_states[n])."""
-    out = model(torch.tensor([ids]), output_hidden_states=True)
-    aux = torch.cat([out.hidden_states[n][0] for n in head.needs_aux_layers], dim=-1)
-    return head.fuse(aux)
-
-
-@torch.inference_mode()
-def _chain(head, model, prompt_ids, first_token, vllm_draft, k):
-    """Greedy EAGLE-3 chain (vLLM's semantics: the pre-norm output is fed
-    back as the next feature); vLLM's choice is taken at a near-tie."""
-    embed = model.get_input_embeddings().weight
-    n = len(prompt_ids)
-    toks = torch.tensor(prompt_ids[1:] + [first_token])
-    out, pk, pv = head(embed[toks], _aux_features(model, head, prompt_ids), torch.arange(n))
-    h = out[-1:]
-    chain, ties = [], 0
-    for step in range(k):
-        lp = head.logits(h)[0]
-        top2 = lp.topk(2)
-        tok = int(top2.indices[0])
-        if float(top2.values[0] - top2.values[1]) < 1e-3:
-            ties += 1
-            tok = vllm_draft[step] if vllm_draft[step] in top2.indices.tolist() else tok
-        chain.append(tok)
-        out, k_new, v_new = head(embed[torch.tensor([tok])], h, torch.tensor([n + step]), pk, pv)
-        pk, pv = torch.cat((pk, k_new), 1), torch.cat((pv, v_new), 1)
-        h = out
-    return chain, ties
+    return save_random_head(model_path, tmp_path_factory.mktemp("eagle3_head"), eagle3=True,
+                            draft_vocab=DRAFT_VOCAB)
 
 
 @pytest.mark.slow
 def test_vllm_eagle3_first_draft_equals_eagle3_head(eagle3_head, model_path, tmp_path):
-    import capture_vllm_drafts as tte
-
     from vllm_specplug.eagle import load_head
     from vllm_specplug.eagle.train import load_target
 
-    prompts = tmp_path / "prompts.json"
-    prompts.write_text(json.dumps(tte.COMPARE_PROMPTS))
-    res = tmp_path / "drafts.json"
-    proc = subprocess.run([sys.executable, tte.__file__, eagle3_head, str(res), str(prompts),
-                           "eagle3"], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = vllm_first_drafts(eagle3_head, tmp_path, "eagle3")
     model = load_target(model_path)
     head, _ = load_head(eagle3_head, num_target_layers=model.config.num_hidden_layers)
     assert head.kind == "eagle3"
     allowed = set(head.target_ids().tolist())
-    for row in json.loads(res.read_text()):
-        assert row["first_draft"] is not None, "vLLM's EagleProposer.propose was not called"
+    for row in rows:
         assert set(row["first_draft"]) <= allowed, row
-        chain, ties = _chain(head, model, row["prompt_ids"], row["output_ids"][0],
-                             row["first_draft"], tte.NUM_DRAFT)
+        chain, ties = head_chain(head, model, row["prompt_ids"], row["output_ids"][0],
+                                 row["first_draft"])
         assert chain == row["first_draft"], (row, chain, ties)
 
 
@@ -149,7 +90,7 @@ def test_eagle2_with_an_eagle3_head(get_llm, model_path, spec_bench_prompts, eag
         ctx, pos = rec["context"], rec["positions"]
         assert pos == sorted(set(pos)) and pos[-1] == len(ctx) - 2, (pos[-5:], len(ctx))
         with torch.inference_mode():
-            feats = _aux_features(model, head, ctx)
+            feats = eagle3_features(model, head, ctx)
             p = torch.tensor(pos)
             nxt = torch.tensor([ctx[i + 1] for i in pos])
             hidden, _, _ = head(emb[nxt], feats[p], p)

@@ -7,14 +7,11 @@ features (vLLM's drafts captured by tests/capture_vllm_drafts.py).
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-import capture_vllm_drafts
 import pytest
 import torch
-from capture_vllm_drafts import COMPARE_PROMPTS, NUM_DRAFT
+from capture_vllm_drafts import head_chain, vllm_first_drafts
 
 from vllm_specplug.eagle import load_head
 from vllm_specplug.eagle.train import FeatureStore, TrainArgs, evaluate, init_head, load_target, \
@@ -92,55 +89,14 @@ def test_saved_head_loads(tiny, model_path):
     assert report["head"] == str((out / "a" / "head").resolve())
 
 
-@torch.inference_mode()
-def eagle_chain(head, model, prompt_ids, first_token, vllm_draft, k=NUM_DRAFT):
-    """Greedy chain of ``EagleHead`` from transformers' features: first pass
-    over (embed(t[i+1]), f[i]) at positions 0..n-1 (t[n] = the first sampled
-    token), then one token per step fed back with the head's own output as
-    feature. At a near-tie (top-2 margin < 1e-3) vLLM's choice is accepted
-    and fed on. Returns (chain, number of near-ties)."""
-    ids = torch.tensor(prompt_ids)
-    feats = model.model(ids[None]).last_hidden_state[0]
-    embed = model.get_input_embeddings().weight
-    lm = model.get_output_embeddings().weight
-    n = len(prompt_ids)
-    toks = torch.cat((ids[1:], torch.tensor([first_token])))
-    out, pk, pv = head(embed[toks], feats, torch.arange(n))
-    h = out[-1:]
-    chain, ties = [], 0
-    for step in range(k):
-        logits = (h @ lm.T)[0]
-        top2 = logits.topk(2)
-        tok = int(top2.indices[0])
-        if float(top2.values[0] - top2.values[1]) < 1e-3:
-            ties += 1
-            tok = vllm_draft[step] if vllm_draft[step] in top2.indices.tolist() else tok
-        chain.append(tok)
-        if step + 1 == k:
-            break
-        out, k_new, v_new = head(embed[torch.tensor([tok])], h, torch.tensor([n + step]), pk, pv)
-        pk, pv = torch.cat((pk, k_new), 1), torch.cat((pv, v_new), 1)
-        h = out
-    return chain, ties
-
-
 @pytest.mark.slow
 def test_vllm_eagle_first_draft_equals_eagle_head(tiny, model_path, tmp_path):
     out, _, _, _ = tiny
     head_dir = out / "a" / "head"
-    prompts = tmp_path / "prompts.json"
-    prompts.write_text(json.dumps(COMPARE_PROMPTS))
-    res = tmp_path / "drafts.json"
-    proc = subprocess.run([sys.executable, capture_vllm_drafts.__file__, str(head_dir), str(res),
-                           str(prompts)],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(res.read_text())
+    rows = vllm_first_drafts(str(head_dir), tmp_path)
     head, _ = load_head(head_dir)
     model = load_target(model_path)
     for row in rows:
-        assert row["first_draft"] is not None, "vLLM's EagleProposer.propose was not called"
-        assert len(row["first_draft"]) == NUM_DRAFT
-        chain, ties = eagle_chain(head, model, row["prompt_ids"], row["output_ids"][0],
-                                  row["first_draft"])
+        chain, ties = head_chain(head, model, row["prompt_ids"], row["output_ids"][0],
+                                 row["first_draft"])
         assert chain == row["first_draft"], (row, chain, ties)
