@@ -14,9 +14,9 @@ from pathlib import Path
 # context (Spec-Bench's first summarization, extraction and qa prompts), 64
 # tokens, engines sized for them (the longest prompt is ~740 tokens; a 1 GB KV
 # cache holds ~23k tokens). Its time is mostly the four engine processes, one
-# per method: 56-74 s each in a run on this 2-core machine while it was busy, of
-# which 15-17 s were the measured requests; the rest is vLLM's three processes
-# starting (imports) and shutting down.
+# per method: 53-61 s each on this 2-core machine (230 s in all, load 1.4-2.0),
+# of which 10-16 s were the measured requests; the rest is vLLM's three
+# processes starting (imports) and shutting down.
 QUICK = {"categories": ["summarization", "extraction", "qa"], "per_category": 1,
          "max_tokens": 64, "engine": {"max_model_len": 2048}, "kv_cache_gb": "1"}
 
