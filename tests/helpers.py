@@ -71,6 +71,40 @@ def serve(model_path: str, tmp_path_factory, speculative_config: dict, *extra_ar
         pytest.fail(str(e))
 
 
+def chi2_goodness_of_fit(samples, probs: dict, min_expected: float = 5.0):
+    """Chi-square goodness of fit of ``samples`` (hashable outcomes) to exact
+    probabilities ``probs`` (outcome -> p). Cells with expected count below
+    ``min_expected`` are pooled into one cell, with the mass ``probs`` leaves
+    out and every sampled outcome ``probs`` lacks; a pool still below
+    ``min_expected`` absorbs the smallest kept cells. Returns
+    ``(statistic, dof, p, impossible)``, ``impossible`` the samples outside
+    ``probs`` (p = 0 when they fall in a pool of zero expected count)."""
+    from collections import Counter, namedtuple
+
+    import numpy as np
+    from scipy.stats import chisquare
+
+    Fit = namedtuple("Fit", "statistic dof p impossible")
+    n = len(samples)
+    counts = Counter(samples)
+    impossible = sum(c for k, c in counts.items() if k not in probs)
+    cells = sorted(((n * p, counts.get(k, 0)) for k, p in probs.items()), reverse=True)
+    kept = [c for c in cells if c[0] >= min_expected]
+    pool_exp = n - sum(e for e, _ in kept)
+    pool_obs = n - sum(o for _, o in kept)
+    while kept and 0 < pool_exp < min_expected:
+        e, o = kept.pop()
+        pool_exp, pool_obs = pool_exp + e, pool_obs + o
+    if pool_exp <= 1e-9 * n:  # nothing expected outside the kept cells
+        if pool_obs > 0:
+            return Fit(float("inf"), len(kept) - 1, 0.0, impossible)
+        pool_exp = pool_obs = None
+    exp = np.array([e for e, _ in kept] + ([pool_exp] if pool_exp is not None else []))
+    obs = np.array([o for _, o in kept] + ([pool_obs] if pool_obs is not None else []))
+    stat, p = chisquare(obs, exp * obs.sum() / exp.sum())
+    return Fit(float(stat), len(obs) - 1, float(p), impossible)
+
+
 # ------------------------------------------------- the drafter without vLLM
 def fake_vllm_config(additional_config, num_speculative_tokens: int,
                      tensor_parallel_size: int = 1, model: str = "m"):
