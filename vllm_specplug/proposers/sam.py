@@ -42,13 +42,14 @@ minus the bias exceeds the request's own match length. ``match_len`` (what
 from __future__ import annotations
 
 import math
-from typing import ClassVar, Sequence
+from typing import TYPE_CHECKING, ClassVar, Sequence
 
 import numpy as np
 
 from ..options import Option, SpecPlugConfigError
 from .base import Draft, Proposer, TargetTopK
-from .global_store import GlobalMatch, GlobalStore
+if TYPE_CHECKING:
+    from .global_store import GlobalMatch
 from .suffix_automaton import SuffixAutomaton
 
 # Occurrence counts are kept for the 32 longest suffixes of each new token.
@@ -231,7 +232,14 @@ class SamProposer(Proposer):
         self.spec_factor = float(sam_spec_factor)
         self.corpora = open_corpora(sam_corpus)
         self.corpus_bias = None if sam_corpus_bias is None else int(sam_corpus_bias)
-        self.global_store = GlobalStore(sam_global_tokens) if sam_global_tokens else None
+        self.global_store = None
+        if sam_global_tokens:
+            # numba only when used: importing it at module import breaks vLLM's
+            # in-process engines (VLLM_ENABLE_V1_MULTIPROCESSING=0), whose
+            # Triton-override scan then fails on llvmlite
+            from .global_store import GlobalStore
+
+            self.global_store = GlobalStore(sam_global_tokens)
         self.global_prompts = bool(sam_global_prompts)
         # req_id -> the request's matches in the global store
         self._global_matches: dict[str, GlobalMatch] = {}
@@ -274,6 +282,8 @@ class SamProposer(Proposer):
                 if len(self._prompt_len) >= MAX_TRACKED_PROMPTS:
                     del self._prompt_len[next(iter(self._prompt_len))]
                 self._prompt_len[req_id] = len(token_ids)
+            from .global_store import GlobalMatch
+
             self._global_matches[req_id] = GlobalMatch()
 
     def observe(self, req_id: str, committed_ids: Sequence[int],
