@@ -89,9 +89,16 @@ def run(args) -> dict:
             m, h = mean_ci(per_sample)
             print(f"{name} T={t}: quality {m:.3f} +- {h:.3f} over {len(per_sample)} samples, "
                   f"tau {out['cells'][f'{name}@{t}']['tau']:.2f}", flush=True)
+            save(args.out, out)  # after every cell: a long run stopped early keeps its cells
         llm.llm_engine.engine_core.shutdown()
         del llm
     return out
+
+
+def save(path: str, res: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(res, indent=1))
+    Path(path).with_suffix(".md").write_text(report(res) + "\n")
 
 
 def report(res: dict) -> str:
@@ -123,11 +130,8 @@ def main() -> None:
     ap.add_argument("--out", default="results/quality/quality.json")
     args = ap.parse_args()
     res = run(args)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=1))
-    table = report(res)
-    Path(args.out).with_suffix(".md").write_text(table + "\n")
-    print(table)
+    save(args.out, res)
+    print(report(res))
 
 
 if __name__ == "__main__":
