@@ -251,10 +251,12 @@ def test_more_than_64_nodes_are_refused():
 
 def _config(backend=None, per_kind=None, cache_dtype="auto", k=8, dcp=1):
     return SimpleNamespace(
+        model_config=None,
         attention_config=SimpleNamespace(backend=backend, backend_per_kind=per_kind or {}),
         cache_config=SimpleNamespace(cache_dtype=cache_dtype),
         speculative_config=SimpleNamespace(num_speculative_tokens=k),
-        parallel_config=SimpleNamespace(decode_context_parallel_size=dcp, use_ubatching=False))
+        parallel_config=SimpleNamespace(decode_context_parallel_size=dcp,
+                                        prefill_context_parallel_size=1, use_ubatching=False))
 
 
 def test_cuda_config_check():

@@ -223,10 +223,10 @@ def check_cuda_tree_config(vllm_config: Any, capability: Any = None) -> None:
     from ..kernels.tree_attention_triton import MAX_TREE_NODES
 
     flash = AttentionBackendEnum.FLASH_ATTN
-    attention = getattr(vllm_config, "attention_config", None)
+    # VllmConfig fields read directly: a renamed one must fail, not skip a refusal
+    attention = vllm_config.attention_config
     if attention is not None:
-        chosen = [attention.backend] + list((getattr(attention, "backend_per_kind", None)
-                                             or {}).values())
+        chosen = [attention.backend] + list((attention.backend_per_kind or {}).values())
         other = [b for b in chosen if b is not None and b != flash]
         if other:
             names = ", ".join(getattr(b, "name", str(b)) for b in other)
@@ -235,7 +235,7 @@ def check_cuda_tree_config(vllm_config: Any, capability: Any = None) -> None:
                 f"backend, but this engine selected {names}; use --attention-backend "
                 f"FLASH_ATTN (or leave it unset), or a chain method (e.g. sam)")
     problems = []
-    model_config = getattr(vllm_config, "model_config", None)
+    model_config = vllm_config.model_config
     if model_config is not None:
         if capability is None:
             from vllm.platforms import current_platform
@@ -246,21 +246,20 @@ def check_cuda_tree_config(vllm_config: Any, capability: Any = None) -> None:
     else:
         from vllm.utils.torch_utils import is_quantized_kv_cache
 
-        cache_dtype = str(getattr(getattr(vllm_config, "cache_config", None), "cache_dtype",
-                                  "auto") or "auto")
+        cache_dtype = str(vllm_config.cache_config.cache_dtype or "auto")
         if is_quantized_kv_cache(cache_dtype):
             problems.append(f"a quantized KV cache (kv_cache_dtype={cache_dtype}); use "
                             f"--kv-cache-dtype auto")
-    k = getattr(getattr(vllm_config, "speculative_config", None), "num_speculative_tokens", 0)
+    k = vllm_config.speculative_config.num_speculative_tokens
     if int(k or 0) > MAX_TREE_NODES:
         problems.append(f"more than {MAX_TREE_NODES} draft nodes per request "
                         f"(num_speculative_tokens={k}); give at most {MAX_TREE_NODES}")
-    parallel = getattr(vllm_config, "parallel_config", None)
-    if int(getattr(parallel, "decode_context_parallel_size", 1) or 1) > 1:
+    parallel = vllm_config.parallel_config
+    if int(parallel.decode_context_parallel_size or 1) > 1:
         problems.append("decode context parallelism; use decode_context_parallel_size 1")
-    if int(getattr(parallel, "prefill_context_parallel_size", 1) or 1) > 1:
+    if int(parallel.prefill_context_parallel_size or 1) > 1:
         problems.append("prefill context parallelism; use prefill_context_parallel_size 1")
-    if getattr(parallel, "use_ubatching", False):
+    if parallel.use_ubatching:
         problems.append("micro-batching (DBO); turn off --enable-dbo")
     if problems:
         raise NotImplementedError(
