@@ -139,3 +139,131 @@ def test_replay_invariants(prompt, out, budget, continuation):
     assert prop.acceptance.tried.sum() == res["draft_tokens"]
     # and what replay counts as accepted is what the proposer counted
     assert prop.acceptance.accepted.sum() == res["accepted"]
+
+
+# ---------------------------------------------------------------- trees
+
+import numpy as np  # noqa: E402
+
+from vllm_specplug.bench.simulate import accepted_length, replay_many  # noqa: E402
+from vllm_specplug.proposers.base import TargetTopK  # noqa: E402
+
+
+def brute_force_accepted(tokens, parents, truth, pos):
+    """Enumerate every root-to-node path; the deepest one equal to truth[pos:]."""
+    best = 0
+    for i in range(len(tokens)):
+        path, j = [], i
+        while j >= 0:
+            path.append(int(tokens[j]))
+            j = int(parents[j])
+        path.reverse()
+        if path == list(truth[pos:pos + len(path)]):
+            best = max(best, len(path))
+    return best
+
+
+@st.composite
+def trees(draw):
+    n = draw(st.integers(0, 24))
+    parents = [draw(st.integers(-1, i - 1)) for i in range(n)]
+    tokens = draw(st.lists(st.integers(0, 2), min_size=n, max_size=n))
+    return tokens, parents
+
+
+@settings(max_examples=300, deadline=None)
+@given(trees(), st.lists(st.integers(0, 2), max_size=12), st.integers(0, 4))
+def test_tree_acceptance_against_path_enumeration(tree, truth, pos):
+    tokens, parents = tree
+    draft = Draft(np.asarray(tokens), np.asarray(parents))
+    assert accepted_length(draft, truth, pos) == brute_force_accepted(tokens, parents,
+                                                                      truth, pos)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 2), max_size=10), st.lists(st.integers(0, 2), max_size=12),
+       st.integers(0, 4))
+def test_chain_as_tree_same_acceptance(tokens, truth, pos):
+    chain = Draft.chain(tokens)
+    as_tree = Draft(np.asarray(tokens), np.arange(-1, len(tokens) - 1))
+    assert accepted_length(chain, truth, pos) == accepted_length(as_tree, truth, pos)
+
+
+class ScriptedTree(Scripted):
+    """Scripted drafts given as (tokens, parents) or chains; logs top-k."""
+
+    wants_target_topk: ClassVar[bool] = True
+
+    def __init__(self, drafts, as_tree=True):
+        super().__init__([])
+        self.trees = list(drafts)
+        self.as_tree = as_tree
+        self.topk: list[TargetTopK | None] = []
+
+    def observe(self, req_id, committed_ids, target_topk=None):
+        super().observe(req_id, committed_ids)
+        self.topk.append(target_topk)
+
+    def propose(self, req_id, budget):
+        self.calls.append(("propose", req_id, budget))
+        tokens, parents = self.trees.pop(0)
+        if parents is None:
+            parents = list(range(-1, len(tokens) - 1))
+            if not self.as_tree:
+                return Draft.chain(tokens)
+        return Draft(np.asarray(tokens, dtype=np.int32), np.asarray(parents))
+
+
+def test_tree_replay_hand_example_and_topk_rows():
+    out = [1, 2, 3, 4, 5, 6, 7, 8]
+    # the target's top-k: row j predicts out[j]; rank 0 is the truth, rank 1 is 50 + j
+    ids = np.array([[t, 50 + j] for j, t in enumerate(out)])
+    logprobs = np.log(np.array([[0.6, 0.3]] * len(out)))
+    prop = ScriptedTree([
+        # pos 1: root children 9 and 2; 2 -> 3 -> 9 and 2 -> 3 -> 4: depth 3 accepted
+        ([9, 2, 3, 9, 4], [-1, -1, 1, 2, 2]),
+        # pos 5: [6, 7] matches only below a wrong root: nothing accepted
+        ([5, 6, 7], [-1, 0, 0]),
+        ([7, 8], None),        # pos 6: a chain, right to the end: no bonus
+    ])
+    res = replay(prop, [100, 101], out, budget=5, topk=(ids, logprobs))
+    assert res == {"generated": 8, "steps": 4, "accepted": 4, "draft_tokens": 10, "drafts": 3}
+    assert [c for c in prop.calls if c[0] == "observe"] == [
+        ("observe", "r", []), ("observe", "r", [2, 3, 4, 5]), ("observe", "r", [6]),
+        ("observe", "r", [7, 8])]
+    # the prefill's position (input: the prompt's last token), then per step
+    # the accepted path and the bonus position
+    rows = [(t.input_ids.tolist(), t.token_ids[:, 0].tolist()) for t in prop.topk]
+    assert rows == [([101], [1]), ([1, 2, 3, 4], [2, 3, 4, 5]), ([5], [6]), ([6, 7], [7, 8])]
+    assert prop.topk[1].token_ids[:, 1].tolist() == [51, 52, 53, 54]
+    assert np.allclose(prop.topk[0].logprobs, np.log([[0.6, 0.3]]))
+
+
+def test_tree_replay_cuts_drafts_to_the_budget():
+    prop = ScriptedTree([([2, 9, 3, 4], [-1, -1, 0, 2]), ([], None)])
+    # budget 3 keeps nodes 0-2 (the engine keeps a prefix of the node order)
+    res = replay(prop, [0], [1, 2, 3, 4, 5], budget=3)
+    assert res == {"generated": 5, "steps": 3, "accepted": 2, "draft_tokens": 3, "drafts": 1}
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 3), max_size=6), min_size=1, max_size=12),
+       st.lists(st.integers(0, 3), min_size=1, max_size=14))
+def test_chain_drafts_same_result_as_trees_of_chains(drafts, out):
+    drafts = drafts + [[]] * len(out)
+    chain = ScriptedTree([(d, None) for d in drafts], as_tree=False)
+    tree = ScriptedTree([(d, None) for d in drafts], as_tree=True)
+    assert replay(chain, [7], out, 8) == replay(tree, [7], out, 8)
+    assert chain.calls == tree.calls
+
+
+def test_replay_many_takes_topk_per_request():
+    out = [1, 2, 3]
+    ids = np.array([[1], [2], [3]])
+    prop = ScriptedTree([([2, 3], None)] * 2)
+    res = replay_many(prop, [([0], out, (ids, np.zeros((3, 1)))), ([0], out)], 4)
+    assert res["tau"] == 6 / 4
+    fed = [t for t in prop.topk if t is not None]
+    assert len(fed) == 2   # the first request only: prefill row, then one step
+    with pytest.raises(ValueError, match="topk has 2 rows"):
+        replay(ScriptedTree([]), [0], out, 4, topk=(ids[:2], np.zeros((2, 1))))

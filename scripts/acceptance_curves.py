@@ -1,0 +1,267 @@
+"""Acceptance curves of the model-free methods, and expected speedups (issue 20).
+
+    python scripts/acceptance_curves.py run [--workloads spec_bench,multi_turn,...]
+    python scripts/acceptance_curves.py report [--gpu-cost FILE[:KEY]] [--cpu-cost FILE]
+
+``run``: for every workload whose greedy record exists, replays each method
+(``bench.curves.METHODS``) at node budgets 1, 2, 4, ..., 64 on the odd half
+of the record (``--half``), one proposer per method and budget for the whole
+half in file order (batch size 1, so cross-request memory works as in a
+serving engine), and writes ``results/curves/curves_<workload>.json``. It also
+replays the 13 prompts of the engine runs in docs/benchmarks.md ("Run A",
+"Run B": Spec-Bench position 0 of each category, 128 tokens) with the
+engine's settings, to compare replay tau with engine tau
+(``results/curves/engine_compare.json``).
+
+``report``: reads those files, combines each curve with the verify-cost
+lines (this CPU's measured line, the GPU-like line of
+``bench.curves.gpu_like_cost_line``, and with ``--gpu-cost`` a measured one:
+``scripts/device_gpu_checks.py``'s ``gpu_checks.json``, KEY a context/batch
+fit such as ``1024/1``, or a JSON ``{"a": .., "b": ..}``), writes
+``results/curves/report.json`` / ``report.md`` (tables) and the plots
+``docs/img/curves_<workload>.png``.
+
+Records: ``scripts/record_greedy_hf.py`` rows (prompt and greedy output ids)
+and their target top-8 (``record_greedy_hf.py topk``), see ``RECORDS``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from vllm_specplug.bench import curves as C  # noqa: E402
+
+OUT = REPO / "results" / "curves"
+IMG = REPO / "docs" / "img"
+GS = REPO / "results" / "runs" / "global_store"
+#: workload -> (records, top-k .npz)
+RECORDS = {
+    "spec_bench": (GS / "specbench_greedy_hf.jsonl", OUT / "spec_bench_topk8.npz"),
+    "multi_turn": (GS / "multiturn_greedy_hf.jsonl", OUT / "multi_turn_topk8.npz"),
+    "pipeline": (OUT / "pipeline_greedy_hf.jsonl", OUT / "pipeline_topk8.npz"),
+    "agentic": (OUT / "agentic_greedy_hf.jsonl", OUT / "agentic_topk8.npz"),
+}
+# Engine runs to compare with (docs/benchmarks.md; results/runs/*.json): the
+# replay of the same 13 prompts with the same settings.
+ENGINE_RUNS = {
+    "hybrid_corpus": REPO / "results" / "runs" / "hybrid_corpus.json",   # "Run B"
+    "tr_budgets": REPO / "results" / "runs" / "tr_budgets.json",         # "Run A"
+}
+
+
+def engine_configs(cpu: C.CostLine) -> dict:
+    """Engine method name -> (factory, budget) replaying its settings."""
+    rel = cpu.b / (cpu.a + cpu.b)   # StepCostModel.relative_token_cost(1)
+
+    def auto(make):
+        def build(_n):
+            p = make()
+            p.relative_token_cost = rel
+            return p
+        return build
+
+    from vllm_specplug.proposers.hybrid import SamTokenRecyclingProposer
+    from vllm_specplug.proposers.sam import SamProposer
+    from vllm_specplug.proposers.token_recycling import TokenRecyclingProposer
+
+    return {
+        "ngram": (lambda n: C.NgramBaseline(8), 8),
+        "suffix": (lambda n: C.SuffixBaseline(8), 8),
+        "sam": (lambda n: SamProposer(8, sam_global_tokens=0), 8),
+        "sam (global store)": (lambda n: SamProposer(8), 8),
+        "token_recycling@8": (lambda n: TokenRecyclingProposer(8), 8),
+        "token_recycling@16": (lambda n: TokenRecyclingProposer(16), 16),
+        "token_recycling@32": (lambda n: TokenRecyclingProposer(32), 32),
+        "token_recycling": (auto(lambda: TokenRecyclingProposer(64, auto_budget=True)), 64),
+        "sam_tr": (auto(lambda: SamTokenRecyclingProposer(64, auto_budget=True)), 64),
+    }
+
+
+def engine_tau() -> dict:
+    out = {}
+    for run, path in ENGINE_RUNS.items():
+        if path.exists():
+            data = json.loads(path.read_text())
+            for m, v in data["methods"].items():
+                pp = v["per_prompt"]
+                steps = sum(p["generated"] - p["accepted"] for p in pp)
+                out.setdefault(m, {})[run] = {
+                    "tau": sum(p["generated"] for p in pp) / steps if steps else None,
+                    "nodes_per_step": sum(p["draft_tokens"] for p in pp) / steps
+                    if steps else None,
+                    "prompts": [p["id"] for p in pp]}
+    return out
+
+
+def cmd_run(args) -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    budgets = [int(x) for x in args.budgets.split(",")]
+    methods = args.methods.split(",")
+    for w in args.workloads.split(","):
+        recs, topk = RECORDS[w]
+        if not recs.exists():
+            print(f"{w}: no record {recs}, skipped", flush=True)
+            continue
+        rows = C.load_records(recs, topk if topk.exists() else None, args.half)
+        res = {"workload": w, "half": args.half, "records": str(recs.relative_to(REPO)),
+               "topk": str(topk.relative_to(REPO)) if topk.exists() else None,
+               "requests": len(rows), "output_tokens": sum(len(r["output_ids"]) for r in rows),
+               "budgets": budgets, "methods": {}}
+        for m in methods:
+            t = time.perf_counter()
+            pts = C.curve(m, rows, budgets)
+            res["methods"][m] = {"description": C.METHODS[m][1], "points": pts,
+                                 "seconds": round(time.perf_counter() - t, 2)}
+            print(w, m, " ".join(f"{p['budget']}:{p['tau']:.3f}" for p in pts),
+                  f"({res['methods'][m]['seconds']} s)", flush=True)
+        (OUT / f"curves_{w}.json").write_text(json.dumps(res, indent=1))
+    if args.engine_compare:
+        cmd_engine_compare()
+
+
+def cmd_engine_compare() -> None:
+    recs, topk = RECORDS["spec_bench"]
+    rows = [r for r in C.load_records(recs, topk if topk.exists() else None, None)
+            if r["pos"] == 0]
+    cpu = C.cpu_cost_line()
+    eng = engine_tau()
+    res = {"prompts": [r["id"] for r in rows], "note": (
+        "replay of Spec-Bench position 0 of each category (the 13 prompts of the engine runs "
+        "'Run A'/'Run B' of docs/benchmarks.md), HF greedy outputs of 128 tokens, the engine's "
+        "settings; auto budgets with relative_token_cost = b / (a + b) of the CPU line"),
+           "methods": {}}
+    for m, (make, n) in engine_configs(cpu).items():
+        pts = C.curve(m, rows, [n], factory=make)[0]
+        key = m.replace(" (global store)", "")
+        res["methods"][m] = {"replay": pts, "engine": eng.get(key, {})
+                             if m != "sam (global store)" else {}}
+        e = res["methods"][m]["engine"]
+        print("engine-compare", m, f"replay {pts['tau']:.3f}",
+              {run: round(v["tau"], 3) for run, v in e.items() if v["tau"]}, flush=True)
+    (OUT / "engine_compare.json").write_text(json.dumps(res, indent=1))
+
+
+# ------------------------------------------------------------------ report
+
+def cost_lines(args) -> list[C.CostLine]:
+    cpu = C.load_cost_line(args.cpu_cost, "cpu") if args.cpu_cost else C.cpu_cost_line()
+    lines = [cpu, C.gpu_like_cost_line()]
+    if args.gpu_cost:
+        lines.append(C.load_cost_line(args.gpu_cost, "gpu_measured"))
+    return lines
+
+
+def plot(w: str, data: dict, lines: list[C.CostLine], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 1 + len(lines), figsize=(5 * (1 + len(lines)), 4))
+    for m, v in data["methods"].items():
+        pts = v["points"]
+        x = [p["budget"] for p in pts]
+        axes[0].plot(x, [p["tau"] for p in pts], marker="o", label=m)
+        for ax, line in zip(axes[1:], lines):
+            ax.plot(x, [line.speedup(p["tau"], p["nodes_per_step"]) for p in pts],
+                    marker="o", label=m)
+    axes[0].set_title(f"{w}: tau vs budget (replay, odd half)")
+    axes[0].set_ylabel("tau (tokens per target step)")
+    for ax, line in zip(axes[1:], lines):
+        ax.set_title(f"expected speedup, {line.name} line (b/a = {line.b / line.a:.4f})")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_ylabel("speedup over plain")
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("draft tokens / nodes per step (budget n)")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def cmd_report(args) -> None:
+    lines = cost_lines(args)
+    report = {"cost_lines": [ln.as_dict() for ln in lines], "workloads": {}}
+    md = ["Cost lines: " + "; ".join(f"**{ln.name}** a = {ln.a:.4g}, b = {ln.b:.4g} "
+                                     f"(b/a = {ln.b / ln.a:.4f}; {ln.source})" for ln in lines),
+          ""]
+    for w in args.workloads.split(","):
+        f = OUT / f"curves_{w}.json"
+        if not f.exists():
+            continue
+        data = json.loads(f.read_text())
+        budgets = data["budgets"]
+        wr = report["workloads"][w] = {"requests": data["requests"],
+                                       "output_tokens": data["output_tokens"], "methods": {}}
+        md += [f"### {w} ({data['requests']} requests, {data['output_tokens']} output tokens, "
+               f"{data['half']} half)", "",
+               "tau per budget n (draft nodes per step actually verified in brackets):", "",
+               "| method | " + " | ".join(f"n={n}" for n in budgets) + " |",
+               "|---|" + "---|" * len(budgets)]
+        for m, v in data["methods"].items():
+            pts = v["points"]
+            md.append(f"| {m} | " + " | ".join(f"{p['tau']:.3f} ({p['nodes_per_step']:.1f})"
+                                               for p in pts) + " |")
+            wr["methods"][m] = {"tau": {p["budget"]: round(p["tau"], 4) for p in pts},
+                                "nodes_per_step": {p["budget"]: round(p["nodes_per_step"], 3)
+                                                   for p in pts},
+                                "best": {ln.name: C.best_budget(pts, ln) for ln in lines}}
+        md += ["", "Best budget and expected speedup per cost line:", "",
+               "| method | " + " | ".join(f"{ln.name}: best n, speedup" for ln in lines) + " |",
+               "|---|" + "---|" * len(lines)]
+        for m, v in wr["methods"].items():
+            md.append(f"| {m} | " + " | ".join(
+                f"{v['best'][ln.name]['budget']}, {v['best'][ln.name]['speedup']:.2f}x"
+                for ln in lines) + " |")
+        md.append("")
+        if not args.no_plots:
+            plot(w, data, lines, IMG / f"curves_{w}.png")
+    cmp_path = OUT / "engine_compare.json"
+    if cmp_path.exists():
+        cmp = json.loads(cmp_path.read_text())
+        md += ["### Replay against the engine (13 Spec-Bench prompts, 128 tokens)", "",
+               "| method | replay tau | engine tau (run) | replay nodes/step | engine nodes/step |",
+               "|---|---|---|---|---|"]
+        for m, v in cmp["methods"].items():
+            r = v["replay"]
+            eng = v["engine"]
+            et = ", ".join(f"{e['tau']:.3f} ({run})" for run, e in eng.items() if e["tau"])
+            en = ", ".join(f"{e['nodes_per_step']:.2f}" for e in eng.values() if e["tau"])
+            md.append(f"| {m} | {r['tau']:.3f} | {et or 'n/a'} | {r['nodes_per_step']:.2f} | "
+                      f"{en or 'n/a'} |")
+        report["engine_compare"] = cmp
+    (OUT / "report.json").write_text(json.dumps(report, indent=1))
+    (OUT / "report.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--workloads", default="spec_bench,multi_turn,pipeline,agentic")
+    r.add_argument("--methods", default=",".join(C.METHODS))
+    r.add_argument("--budgets", default=",".join(map(str, C.BUDGETS)))
+    r.add_argument("--half", default="odd", choices=("odd", "even"))
+    r.add_argument("--no-engine-compare", dest="engine_compare", action="store_false")
+    p = sub.add_parser("report")
+    p.add_argument("--workloads", default="spec_bench,multi_turn,pipeline,agentic")
+    p.add_argument("--gpu-cost", default="", help="FILE[:KEY]: a measured GPU cost line")
+    p.add_argument("--cpu-cost", default="", help="FILE: a CPU cost line replacing the fit")
+    p.add_argument("--no-plots", action="store_true")
+    args = ap.parse_args(argv)
+    (cmd_run if args.cmd == "run" else cmd_report)(args)
+
+
+if __name__ == "__main__":
+    main()
