@@ -80,14 +80,14 @@ def main() -> None:
     import vllm.v1.attention.backends.flash_attn as fa
 
     from vllm_specplug.vllm_adapter import cuda_kv, tree_runtime
+    from vllm_specplug.vllm_adapter.step_state import StepTrees
     from vllm_specplug.vllm_adapter.tree_attention_cuda import TreeFlashAttentionImpl
 
     fa.FlashAttentionImpl.forward = stub_forward
     check_refusals(TreeFlashAttentionImpl)
-    before = tree_runtime.FLASH_TREE_LAYERS
     impl = TreeFlashAttentionImpl(4, 16, 16 ** -0.5, 2, None, None, "auto")
-    assert tree_runtime.FLASH_TREE_LAYERS == before + 1 and impl.tree_layer
-    step = tree_runtime.STEP
+    assert impl.tree_layer and impl.tree_step is None
+    step = impl.tree_step = StepTrees()   # bound at model load in an engine
     for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 3e-2)):
         kv, table, requests, node_rows, query = make_case(dtype, np.random.default_rng(3))
         output = torch.empty_like(query)
@@ -107,7 +107,7 @@ def main() -> None:
         step.requests = requests
         step.groups = tree_runtime.build_groups(requests)
         try:
-            tree_runtime.tree_attention(impl, query.float(), kv.float(), want,
+            tree_runtime.tree_attention(impl, query.float(), kv.float(), want, step,
                                         gather=cuda_kv.gather)
         finally:
             step.clear()

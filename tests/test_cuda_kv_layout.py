@@ -24,6 +24,7 @@ import torch
 from vllm_specplug.kernels.tree_attention_triton import tree_attention_reference
 from vllm_specplug.tree import compaction_moves
 from vllm_specplug.vllm_adapter import cpu_kv, cuda_kv, tree_runtime
+from vllm_specplug.vllm_adapter.step_state import StepTrees
 
 BLOCK = 16
 
@@ -206,12 +207,8 @@ def test_kernel_arguments_reproduce_the_cpu_path(order):
 
     # CPU path: batched SDPA over gathered keys (with the flash-layout reader)
     output = torch.full_like(query, 7.0)
-    try:
-        tree_runtime.STEP.requests = requests
-        tree_runtime.STEP.groups = tree_runtime.build_groups(requests)
-        tree_runtime.tree_attention(impl, query, kv, output, gather=cuda_kv.gather)
-    finally:
-        tree_runtime.STEP.clear()
+    step = StepTrees(requests=requests, groups=tree_runtime.build_groups(requests))
+    tree_runtime.tree_attention(impl, query, kv, output, step, gather=cuda_kv.gather)
     others = torch.ones(len(query), dtype=torch.bool)
     others[node_rows] = False
     assert (output[others] == 7.0).all() and not output.isnan().any()

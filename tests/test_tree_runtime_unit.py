@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from vllm_specplug.proposers.base import Draft
 from vllm_specplug.scorers import GreedyScorer
 from vllm_specplug.vllm_adapter import tree_runtime
+from vllm_specplug.vllm_adapter.step_state import StepTrees
 
 
 def _parents(data, n):
@@ -65,15 +66,10 @@ def test_greedy_requests_copy_only_argmaxes():
     sampled = tree_runtime.tree_request("s", 1, n + 1, 10, parents, np.zeros(n), np.arange(8),
                                         16)
     sampled.greedy = False
-    try:
-        tree_runtime.STEP.requests = [greedy, sampled]
-        tree_runtime.STEP.stats["host_bytes"] = 0
-        got = tree_runtime.tree_logits(logits, _Meta([n + 1, 2 * (n + 1)]))
-        assert got[0].dtype == torch.int64 and got[0].shape == (n + 1,)
-        assert int(got[0][0]) != 5
-        assert torch.equal(got[0][1:], logits[1: n + 1].argmax(-1))
-        assert got[1].shape == (n + 1, vocab) and torch.equal(got[1], logits[n + 1:])
-        assert tree_runtime.STEP.stats["host_bytes"] == (n + 1) * 8 + (n + 1) * vocab * 4
-    finally:
-        tree_runtime.STEP.clear()
-        tree_runtime.STEP.stats["host_bytes"] = 0
+    step = StepTrees(requests=[greedy, sampled])
+    got = tree_runtime.tree_logits(logits, _Meta([n + 1, 2 * (n + 1)]), step)
+    assert got[0].dtype == torch.int64 and got[0].shape == (n + 1,)
+    assert int(got[0][0]) != 5
+    assert torch.equal(got[0][1:], logits[1: n + 1].argmax(-1))
+    assert got[1].shape == (n + 1, vocab) and torch.equal(got[1], logits[n + 1:])
+    assert step.stats["host_bytes"] == (n + 1) * 8 + (n + 1) * vocab * 4

@@ -29,6 +29,7 @@ from ..config import ADDITIONAL_CONFIG_KEY, build_proposer
 from ..proposers.base import Draft
 from . import stats_export
 from .drafter_state import DrafterState
+from .step_state import StepTrees, bind_tree_layers
 
 logger = logging.getLogger("vllm_specplug")
 
@@ -127,6 +128,9 @@ class SpecPlugDrafter(DrafterState):
         self.target_topk_k = (int(self.proposer.target_topk_k)
                               if self.proposer.wants_target_topk else 0)
         self.pending_topk: dict = {}
+        # This engine's tree step state; its attention layers are bound to it
+        # in load_model (no module-level state: two engines never share one).
+        self.step = StepTrees()
         # Step cost against tokens verified, from consecutive decode steps.
         self._cost_cache = step_cost_cache_path(vllm_config)
         cached = load_prior(self._cost_cache) if self._cost_cache else None
@@ -142,6 +146,13 @@ class SpecPlugDrafter(DrafterState):
     # vLLM's CPU runner calls this unconditionally; model-free methods ignore it.
     def load_model(self, target_model: Any) -> None:
         self.target_model = target_model
+        if self.proposer.drafts_trees or self.route_chains:
+            # the model's layers exist now; every decoder attention layer must
+            # be ours (else refused here, before any request)
+            from vllm.v1.attention.backend import AttentionType
+
+            bind_tree_layers(self.vllm_config.compilation_config.static_forward_context,
+                             self.step, AttentionType.DECODER)
         # A proposer that runs the target (e.g. del) names an adapter factory
         # ("module:function"); its hook object is bound here, at engine start.
         factory = self.proposer.target_hook
@@ -364,7 +375,5 @@ class SpecPlugDrafter(DrafterState):
                              float(self.step_cost.relative_token_cost(1))}}
         out["proposer"] = self.proposer.debug_stats()
         if self.proposer.drafts_trees or self.route_chains:
-            from .tree_runtime import STEP
-
-            out["tree"] = dict(STEP.stats)
+            out["tree"] = dict(self.step.stats)
         return out

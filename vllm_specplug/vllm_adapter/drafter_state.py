@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..proposers.base import Draft, TargetTopK
+from .step_state import StepTrees
 
 
 class DrafterState:
@@ -28,3 +29,6 @@ class DrafterState:
     target_topk_k: int
     #: req_id -> TargetTopK of the step just verified, consumed by the next propose()
     pending_topk: dict[str, TargetTopK]
+    #: this engine's tree step state (requests, attention arguments, accepted
+    #: paths, counters), bound to the model's attention layers at load
+    step: StepTrees

@@ -171,9 +171,7 @@ class EagleRunner(TargetHook):
                    aux_hidden_states: Any = None) -> None:
         """Keep this step's features at committed positions, per request
         (EAGLE-3: the auxiliary layers' hidden states, fused by the head)."""
-        from . import tree_runtime
-
-        paths = tree_runtime.take_accepted_paths()
+        paths = self.drafter.step.take_accepted_paths()
         # requests no longer in the batch (finished before drafting, aborted,
         # preempted: a resumed request is recomputed, its features come again)
         live = set(req_ids)

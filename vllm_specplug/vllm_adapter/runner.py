@@ -9,6 +9,7 @@ through ``Patch.args``), so a renamed or moved parameter fails loudly.
 """
 from __future__ import annotations
 
+from .drafter_state import DrafterState
 from .patching import bind
 
 #: The arguments of ``GPUModelRunner.propose_draft_token_ids`` the wrapper reads.
@@ -18,14 +19,14 @@ PROPOSE_ARGS = ("scheduler_output", "sampled_token_ids", "hidden_states",
 REMOVED_ARGS = ("req_id",)
 
 
-def our_drafter(runner):
-    """The runner's drafter when it is ours, else None."""
-    from .drafter import SpecPlugDrafter
-
-    # vLLM sets ``drafter`` only with a speculative config on the last
-    # pipeline stage; a runner without one has nothing for us to do
+def our_drafter(runner) -> DrafterState | None:
+    """The runner's drafter when it is ours, else None: the one place the
+    adapter reads ``runner.drafter``. vLLM sets that attribute only with a
+    speculative config on the last pipeline stage, so a runner without it
+    has nothing for us to do; the name is checked against the installed vLLM
+    (``GPUModelRunner.drafter`` in tests/test_adapter_targets.py)."""
     drafter = getattr(runner, "drafter", None)
-    return drafter if isinstance(drafter, SpecPlugDrafter) else None
+    return drafter if isinstance(drafter, DrafterState) else None
 
 
 def make_propose_draft_token_ids(original):

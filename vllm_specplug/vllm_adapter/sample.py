@@ -47,29 +47,32 @@ def _target_topk(runner, logits: torch.Tensor, spec_meta, k: int) -> dict[str, T
 def make_sample(original):
     def _sample(self, logits, spec_decode_metadata):
         from . import tree_runtime
-        from .drafter import SpecPlugDrafter
+        from .runner import our_drafter
 
-        drafter = getattr(self, "drafter", None)
-        tree_runtime.ACCEPTED_PATHS.clear()
-        if not isinstance(drafter, SpecPlugDrafter) or spec_decode_metadata is None:
-            tree_runtime.STEP.clear()
+        drafter = our_drafter(self)
+        if drafter is None:
+            return original(self, logits, spec_decode_metadata)
+        step = drafter.step
+        step.accepted_paths = {}
+        if spec_decode_metadata is None:
+            step.clear()
             return original(self, logits, spec_decode_metadata)
         topk_k = drafter.target_topk_k
         if topk_k:
             drafter.pending_topk = _target_topk(self, logits, spec_decode_metadata, topk_k)
         if spec_decode_metadata.max_spec_len == 0:
-            tree_runtime.STEP.clear()
+            step.clear()
             self.input_batch.update_async_output_token_ids()
             return self.sampler(logits=logits[spec_decode_metadata.bonus_logits_indices],
                                 sampling_metadata=self.input_batch.sampling_metadata,
                                 predict_bonus_token=True)
         rows = None
-        if tree_runtime.STEP.requests:
-            rows = tree_runtime.tree_logits(logits, spec_decode_metadata)
+        if step.requests:
+            rows = tree_runtime.tree_logits(logits, spec_decode_metadata, step)
         sampler_output = original(self, logits, spec_decode_metadata)
         if rows is not None:
             tree_runtime.accept_trees(self, rows, sampler_output)
-        tree_runtime.STEP.clear()
+        step.clear()
         return sampler_output
 
     return _sample

@@ -11,10 +11,11 @@ from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttenti
                                                  CPUAttentionMetadataBuilder)
 
 from . import cpu_kv
-from .tree_runtime import STEP, tree_attention
+from .step_state import TreeLayerImpl
+from .tree_runtime import tree_attention
 
 
-class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
+class TreeCPUAttentionImpl(TreeLayerImpl, CPUAttentionBackendImpl):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         if (self.sliding_window not in (None, -1) or self.alibi_slopes is not None
@@ -28,8 +29,9 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
                 output_scale=None, output_block_scale=None):
         result = super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                  output_scale, output_block_scale)
-        if attn_metadata is not None and STEP.attended:
-            tree_attention(self, query, kv_cache, output)
+        step = self.tree_step_now()   # bound at model load (step_state)
+        if attn_metadata is not None and step is not None:
+            tree_attention(self, query, kv_cache, output, step)
         return result
 
 

@@ -8,7 +8,7 @@ their siblings too); afterwards, when the step has tree requests, their
 draft-node rows of ``output`` are recomputed by the Triton paged
 tree-attention kernel (``tree_runtime.flash_tree_attention``) over this
 layer's paged cache, with the per-step arguments ``prepare_tree_requests``
-built (``STEP.flash``) and this layer's block table from its metadata.
+built (the drafter's ``step.flash``, bound to the layer at model load) and this layer's block table from its metadata.
 
 The metadata builder reports no CUDA graph support, so vLLM resolves the
 cudagraph mode to PIECEWISE (attention outside the graphs, where this Python
@@ -35,8 +35,9 @@ from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
 from vllm.v1.attention.backends.flash_attn import (FlashAttentionBackend, FlashAttentionImpl,
                                                    FlashAttentionMetadataBuilder)
 
-from . import cuda_checks, cuda_kv, tree_runtime
-from .tree_runtime import STEP, flash_tree_attention
+from . import cuda_checks, cuda_kv
+from .step_state import TreeLayerImpl
+from .tree_runtime import flash_tree_attention
 
 _WHAT = "vllm_specplug tree verification on CUDA (FLASH_ATTN + Triton tree kernel)"
 
@@ -58,7 +59,7 @@ def _unsupported_layer(impl: FlashAttentionImpl) -> list[str]:
     return reasons
 
 
-class TreeFlashAttentionImpl(FlashAttentionImpl):
+class TreeFlashAttentionImpl(TreeLayerImpl, FlashAttentionImpl):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         # Only causal self-attention over the paged cache sees the draft tree;
@@ -70,7 +71,6 @@ class TreeFlashAttentionImpl(FlashAttentionImpl):
                 raise NotImplementedError(
                     f"{_WHAT} does not support {', '.join(reasons)}; use a chain method "
                     f"(e.g. sam) for this model")
-            tree_runtime.FLASH_TREE_LAYERS += 1
         self.tree_warm = False
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
@@ -81,8 +81,10 @@ class TreeFlashAttentionImpl(FlashAttentionImpl):
             if not self.tree_warm and kv_cache.numel():
                 warm_up_kernel(self, query, kv_cache, attn_metadata.block_table)
                 self.tree_warm = True
-            if STEP.attended:
-                flash_tree_attention(self, query, kv_cache, attn_metadata.block_table, output)
+            step = self.tree_step_now()   # bound at model load (step_state)
+            if step is not None:
+                flash_tree_attention(self, query, kv_cache, attn_metadata.block_table, output,
+                                     step.flash)
         return result
 
 

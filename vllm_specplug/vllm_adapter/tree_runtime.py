@@ -39,6 +39,8 @@ from ..tree import ancestor_mask, compaction_moves, depths
 from . import cpu_kv, cuda_kv
 from .cuda_checks import request_fallback_reason
 from .request_options import fallback_reason, stop_tokens_to_mask
+from .runner import our_drafter
+from .step_state import StepTrees
 
 logger = logging.getLogger("vllm_specplug")
 
@@ -104,7 +106,7 @@ class AttentionGroup:
 class FlashTreeArgs:
     """Per-step arguments of the Triton tree kernel (CUDA path), on the device.
 
-    One entry per tree request, in ``STEP.requests`` order; all int64 and
+    One entry per tree request, in ``step.requests`` order; all int64 and
     contiguous (views of one buffer, copied to the device in one transfer)."""
     rows: torch.Tensor           # [R] batch rows: rows of the layer's block table
     prefix_lens: torch.Tensor    # [R] base + 1 (prefix and root)
@@ -124,42 +126,8 @@ class FlashTreeArgs:
         return table
 
 
-@dataclass
-class StepTrees:
-    """Tree requests of the step being executed in this worker."""
-    requests: list[TreeRequest] = field(default_factory=list)
-    groups: list[AttentionGroup] = field(default_factory=list)   # CPU path
-    flash: FlashTreeArgs | None = None                            # CUDA path
-    attended: bool = False   # some request is a real tree (its rows are recomputed)
-    stats: dict = field(default_factory=lambda: {"tree_steps": 0, "tree_nodes": 0,
-                                                 "tree_accepted": 0, "compacted": 0,
-                                                 "fallbacks": 0})
-
-    def clear(self) -> None:
-        self.requests = []
-        self.groups = []
-        self.flash = None
-        self.attended = False
-
-
-STEP = StepTrees()
-#: Attention layers built with the CUDA tree backend in this process (set by
-#: ``TreeFlashAttentionImpl``): on CUDA, tree requests without it would get
-#: plain causal attention, so ``prepare_tree_requests`` refuses them.
-FLASH_TREE_LAYERS = 0
 _GREEDY = GreedyScorer()
 _REJECTION = RejectionScorer()
-_RNG = np.random.default_rng(0)
-#: req_id -> accepted tree path (node indices) of the step just verified, for
-#: hooks that read the target's features at accepted nodes (eagle2)
-ACCEPTED_PATHS: dict[str, list[int]] = {}
-
-
-def take_accepted_paths() -> dict[str, list[int]]:
-    """The accepted paths of the last verified step (and forget them)."""
-    out = dict(ACCEPTED_PATHS)
-    ACCEPTED_PATHS.clear()
-    return out
 
 
 def _falls_back(runner, req_id: str, row: int, num_nodes: int) -> str | None:
@@ -174,12 +142,14 @@ def _falls_back(runner, req_id: str, row: int, num_nodes: int) -> str | None:
 
 
 def prepare_tree_requests(runner, scheduler_output) -> None:
-    """Fill STEP for this step and rewrite tree rows' position ids."""
-    from .drafter_state import DrafterState as SpecPlugDrafter
-
-    STEP.clear()
-    drafter = getattr(runner, "drafter", None)
-    if not isinstance(drafter, SpecPlugDrafter) or not drafter.trees:
+    """Fill the drafter's step state for this step and rewrite tree rows'
+    position ids."""
+    drafter = our_drafter(runner)
+    if drafter is None:
+        return
+    step = drafter.step
+    step.clear()
+    if not drafter.trees:
         return
     spec = scheduler_output.scheduled_spec_decode_tokens
     if not spec:
@@ -197,16 +167,16 @@ def prepare_tree_requests(runner, scheduler_output) -> None:
         if n > len(tree) or not np.array_equal(np.asarray(toks), tree.tokens[:n]):
             # not the tree drafted last (e.g. vLLM skipped drafting near
             # max_model_len and scheduled older tokens): verify as a chain
-            STEP.stats["fallbacks"] += 1
+            step.stats["fallbacks"] += 1
             continue
         parents = tree.parents[:n]
         row = runner.input_batch.req_id_to_index[req_id]
         # (counted for chains too: vLLM verifies the draft for this reason)
         why = _falls_back(runner, req_id, row, n)
         if why:
-            STEP.stats["fallbacks"] += 1
+            step.stats["fallbacks"] += 1
             key = "fallback:" + why
-            STEP.stats[key] = STEP.stats.get(key, 0) + 1
+            step.stats[key] = step.stats.get(key, 0) + 1
             continue
         chain = Draft(np.asarray(toks), parents).is_chain
         if chain and not drafter.route_chains:
@@ -228,20 +198,15 @@ def prepare_tree_requests(runner, scheduler_output) -> None:
         tr.greedy = params.temperature < 1e-5   # vLLM's greedy threshold (_SAMPLING_EPS)
         tr.temperature, tr.top_k, tr.top_p = params.temperature, max(params.top_k, 0), \
             params.top_p
-        STEP.requests.append(tr)
-    attended = [tr for tr in STEP.requests if not tr.chain]
-    STEP.attended = bool(attended)
+        step.requests.append(tr)
+    attended = [tr for tr in step.requests if not tr.chain]
+    step.attended = bool(attended)
+    # (every decoder layer is ours: checked when the model loaded, step_state)
     if runner.positions.device.type == "cuda":
         if attended:
-            if not FLASH_TREE_LAYERS:
-                raise RuntimeError(
-                    "vllm_specplug tree verification: this engine's attention layers do not "
-                    "use the FLASH_ATTN override (TreeFlashAttentionBackend), so draft trees "
-                    "would be verified with causal attention; select the FLASH_ATTN "
-                    "attention backend")
-            STEP.flash = build_flash_args(attended, runner.positions.device)
+            step.flash = build_flash_args(attended, runner.positions.device)
     else:
-        STEP.groups = build_groups(attended)
+        step.groups = build_groups(attended)
 
 
 def tree_request(req_id: str, row: int, root_row: int, base: int, parents: np.ndarray,
@@ -325,14 +290,14 @@ def build_groups(requests: list[TreeRequest]) -> list[AttentionGroup]:
 
 
 def tree_attention(impl, query: torch.Tensor, kv_cache: torch.Tensor,
-                   output: torch.Tensor, gather=cpu_kv.gather) -> None:
+                   output: torch.Tensor, step: StepTrees, gather=cpu_kv.gather) -> None:
     """Recompute the draft rows of tree requests under their ancestor masks,
-    one batched SDPA call per group of requests (CPU path; ``gather`` reads the
-    cache, ``cpu_kv.gather`` for vLLM's CPU layout)."""
+    one batched SDPA call per group of ``step`` (CPU path; ``gather`` reads
+    the cache, ``cpu_kv.gather`` for vLLM's CPU layout)."""
     num_heads, num_kv_heads, d = impl.num_heads, impl.num_kv_heads, impl.head_size
     rep = num_heads // num_kv_heads
     out2d = output.view(output.shape[0], -1)
-    for g in STEP.groups:
+    for g in step.groups:
         r, n, length = g.shape
         k, v = gather(kv_cache, g.slots)                 # [R * L, Hkv, D]
         k = k.view(r, length, num_kv_heads, d).transpose(1, 2)  # [R, Hkv, L, D]
@@ -354,14 +319,14 @@ def tree_attention(impl, query: torch.Tensor, kv_cache: torch.Tensor,
 
 def flash_tree_attention(impl, query: torch.Tensor, kv_cache: torch.Tensor,
                          batch_block_table: torch.Tensor, output: torch.Tensor,
-                         args: FlashTreeArgs | None = None) -> None:
+                         args: FlashTreeArgs) -> None:
     """CUDA path: recompute the draft rows of tree requests with the Triton
     paged tree-attention kernel, in place in ``output``. ``kv_cache`` is the
     layer's FlashAttention cache and ``batch_block_table`` the block table of
-    its attention metadata (one row per batch row, in the cache's blocks)."""
+    its attention metadata (one row per batch row, in the cache's blocks);
+    ``args`` the step's kernel arguments (``StepTrees.flash``)."""
     from ..kernels.tree_attention_triton import paged_tree_attention
 
-    args = STEP.flash if args is None else args
     q = query.view(-1, impl.num_heads, impl.head_size)
     out = output.view(-1, impl.num_heads, impl.head_size)
     k_cache, v_cache = cuda_kv.split_kv(kv_cache)
@@ -388,24 +353,24 @@ def _processed_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p
     return torch.softmax(x, dim=-1).double().numpy()
 
 
-def _rng_for(sm, row: int) -> np.random.Generator:
+def _rng_for(sm, row: int, default: np.random.Generator) -> np.random.Generator:
     gen = sm.generators.get(row) if sm.generators else None
     if gen is None:
-        return _RNG
+        return default
     seed = int(torch.randint(0, 2**62, (1,), generator=gen, device=gen.device))
     return np.random.default_rng(seed)
 
 
-def tree_logits(logits: torch.Tensor, spec_meta) -> list[torch.Tensor]:
+def tree_logits(logits: torch.Tensor, spec_meta, step: StepTrees) -> list[torch.Tensor]:
     """What acceptance needs of each tree request's logits rows (root, then one
     per node), taken before vLLM's sampler may process ``logits`` in place:
     greedy requests only the argmax of each row (int64 [n + 1], computed where
     the logits are, after the min_tokens mask), sampled ones the rows (float32
-    [n + 1, vocab] on the host). ``STEP.stats['host_bytes']`` counts what is
+    [n + 1, vocab] on the host). ``step.stats['host_bytes']`` counts what is
     copied."""
     cu = spec_meta.cu_num_sampled_tokens.cpu().numpy()
     out = []
-    for tr in STEP.requests:
+    for tr in step.requests:
         first = int(cu[tr.row - 1]) if tr.row > 0 else 0
         rows = logits[first: first + tr.parents.size + 1].detach()
         if tr.greedy:
@@ -417,7 +382,7 @@ def tree_logits(logits: torch.Tensor, spec_meta) -> list[torch.Tensor]:
             got = rows.float().cpu().clone()
             if tr.stop_levels:
                 mask_stop_tokens(got, tr)
-        STEP.stats["host_bytes"] = (STEP.stats.get("host_bytes", 0)
+        step.stats["host_bytes"] = (step.stats.get("host_bytes", 0)
                                     + got.numel() * got.element_size())
         out.append(got)
     return out
@@ -428,28 +393,30 @@ def accept_trees(runner, rows_per_request: list[torch.Tensor], sampler_output) -
     sm = runner.input_batch.sampling_metadata
     out = sampler_output.sampled_token_ids
     scorer = runner.drafter.scorer
+    step = runner.drafter.step
     src: list[int] = []
     dst: list[int] = []
-    for tr, rows in zip(STEP.requests, rows_per_request):
+    for tr, rows in zip(step.requests, rows_per_request):
         n = tr.parents.size
         draft = Draft(tr.tokens, tr.parents)
         if tr.greedy:
             acc = _GREEDY.accept_argmax(draft, rows.numpy())
         else:
             probs = _processed_probs(rows, tr.temperature, tr.top_k, tr.top_p)
-            acc = (scorer or _REJECTION).accept(draft, probs, None, _rng_for(sm, tr.row))
+            acc = (scorer or _REJECTION).accept(draft, probs, None,
+                                                _rng_for(sm, tr.row, step.rng))
         toks = acc.tokens(draft)
-        ACCEPTED_PATHS[tr.req_id] = [int(j) for j in acc.path]
+        step.accepted_paths[tr.req_id] = [int(j) for j in acc.path]
         out[tr.row].fill_(-1)
         out[tr.row, : len(toks)] = torch.tensor(toks, dtype=out.dtype)
         moves = compaction_moves(acc.path)
         if moves:
             src += tr.slots_of([tr.base + 1 + s for s, _ in moves])
             dst += tr.slots_of([tr.base + 1 + t for _, t in moves])
-            STEP.stats["compacted"] += 1
-        STEP.stats["tree_steps"] += 1
-        STEP.stats["tree_nodes"] += n
-        STEP.stats["tree_accepted"] += len(acc.path)
+            step.stats["compacted"] += 1
+        step.stats["tree_steps"] += 1
+        step.stats["tree_nodes"] += n
+        step.stats["tree_accepted"] += len(acc.path)
     if src:  # requests own disjoint slots: one move per layer for the whole batch
         for kv in _distinct(runner.kv_caches):
             kv_module(kv).move(kv, src, dst)
