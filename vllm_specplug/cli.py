@@ -39,7 +39,6 @@ def _parse_overrides(items: list[str]) -> dict[str, dict]:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import report
-    from .bench.prompts import load_prompts
     from .bench.run import BenchError, run_bench
 
     t0 = time.perf_counter()
@@ -53,24 +52,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
     per_cat, cats, max_tokens = args.per_category, args.categories, args.max_tokens
     engine = None
     if args.quick:
-        per_cat = per_cat or QUICK["per_category"]
-        cats = cats or QUICK["categories"]
+        if args.workload == "spec_bench":
+            per_cat = per_cat or QUICK["per_category"]
+            cats = cats or QUICK["categories"]
         max_tokens = max_tokens or QUICK["max_tokens"]
         engine = QUICK["engine"]
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", QUICK["kv_cache_gb"])
     max_tokens = max_tokens or 256
-    try:
-        prompts = load_prompts(args.prompts, per_cat, cats.split(",") if isinstance(cats, str)
-                               else cats, half=args.half)
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"--prompts: {e}")
+    prompts = _bench_prompts(args, per_cat, cats)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     try:
         res = run_bench(model, methods, prompts, max_tokens=max_tokens,
                         temperature=args.temperature, out_dir=Path(args.out),
                         overrides=_parse_overrides(args.speculative_config),
                         repeat=args.repeat, batch=args.batch, quality=args.quality, engine=engine,
-                        eagle_head=args.eagle_head, reuse_raw=args.reuse_raw)
+                        eagle_head=args.eagle_head, reuse_raw=args.reuse_raw,
+                        batch_size=args.batch_size, workload=args.workload)
     except BenchError as e:
         raise SystemExit(f"bench: {e}")
     md = report.write(res, Path(args.out), with_plots=not args.no_plots)
@@ -92,6 +89,32 @@ def cmd_bench(args: argparse.Namespace) -> int:
               f"top of the report: this machine was busy during the run; rerun when it is "
               f"quiet before quoting any speedup.", file=sys.stderr)
     return 0
+
+
+def _bench_prompts(args: argparse.Namespace, per_cat, cats) -> list[dict]:
+    """The rows ``specplug bench`` runs: Spec-Bench (or ``--prompts``) as
+    before, or a workload (``bench.workloads``); ``--half`` and ``--limit``
+    apply to both."""
+    from .bench.prompts import load_prompts
+    from .bench.workloads import load_workload, select
+
+    if args.batch_size is not None and args.batch_size < 1:
+        raise SystemExit("--batch-size must be at least 1")
+    if args.workload != "spec_bench":
+        given = [o for o, v in (("--prompts", args.prompts), ("--per-category", per_cat),
+                                ("--categories", cats)) if v]
+        if given:
+            raise SystemExit(f"{', '.join(given)}: only with --workload spec_bench")
+        try:
+            return load_workload(args.workload, half=args.half, limit=args.limit)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"--workload: {e}")
+    try:
+        rows = load_prompts(args.prompts, per_cat, cats.split(",") if isinstance(cats, str)
+                            else cats, half=args.half)
+        return select(rows, limit=args.limit)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--prompts: {e}")
 
 
 def cmd_prepare_model(args: argparse.Namespace) -> int:
@@ -310,6 +333,8 @@ def vllm_main(argv: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .bench.workloads import WORKLOADS as WORKLOAD_NAMES
+
     p = argparse.ArgumentParser(prog="specplug", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
 
@@ -338,7 +363,18 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--quality", action=argparse.BooleanOptionalAction, default=None,
                         help="score outputs by the target's mean log-likelihood (default: "
                              "when --temperature > 0)")
-        sp.add_argument("--batch", action="store_true", help="also run all prompts at once")
+        sp.add_argument("--workload", default="spec_bench", choices=sorted(WORKLOAD_NAMES),
+                        help="spec_bench (default), multi_turn, pipeline or agentic (see "
+                             "docs/benchmarks.md, Workloads): session turns run in order with "
+                             "each method's own earlier outputs in the context")
+        sp.add_argument("--limit", type=int, default=None, metavar="N",
+                        help="only the first N sessions (prompts), after --half")
+        batch = sp.add_mutually_exclusive_group()
+        batch.add_argument("--batch", action="store_true",
+                           help="also run all prompts at once (sessions: all of a turn at once)")
+        batch.add_argument("--batch-size", type=int, default=None, metavar="N",
+                           help="also run the prompts in batches of N (sessions: every "
+                                "session's turn t, in batches of N, before turn t+1)")
         sp.add_argument("--quick", action="store_true", default=quick,
                         help="a short run (3 prompts, 64 tokens, small engines)")
         sp.add_argument("--out", default="bench_results")

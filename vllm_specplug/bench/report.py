@@ -23,7 +23,9 @@ def _speedup(summary: dict) -> str:
 def markdown(res: dict) -> str:
     s = res["settings"]
     methods = list(res["methods"])
-    lines = [f"Model: `{res['model']}`; max_tokens {s['max_tokens']}, temperature "
+    workload = s.get("workload", "spec_bench")
+    lines = [(f"Workload: `{workload}`. " if workload != "spec_bench" else "")
+             + f"Model: `{res['model']}`; max_tokens {s['max_tokens']}, temperature "
              f"{s['temperature']}, batch size 1, repeat {s['repeat']}; "
              f"CPU: {res['environment']['cpu']} ({res['environment']['cores']} cores); "
              f"vLLM {res['environment']['vllm']}, torch {res['environment']['torch']}.", ""]
@@ -83,7 +85,9 @@ def markdown(res: dict) -> str:
                          f"{h.get(f'{b}_steps', '-')} | {_f(h.get(f'{b}_tau'))} | "
                          f"{h['none_steps']} |")
     if any("batch" in e for e in res["methods"].values()):
-        lines += ["", "All prompts in one batch", "",
+        bs = s.get("batch_size")
+        lines += ["", f"In batches of {bs} (each turn of every session before the next turn)"
+                  if bs else "All prompts in one batch (sessions: all of a turn at once)", "",
                   "| method | tau | tokens/s | speedup | outputs differing |", "|---|---|---|---|---|"]
         for m in methods:
             b = res["methods"][m].get("batch")

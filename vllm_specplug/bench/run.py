@@ -14,6 +14,7 @@ from typing import Any
 from .engine import METHOD_CONFIGS
 from .plausibility import check
 from .stats import Counters, summary, total
+from .workloads import batch_plan
 
 
 class BenchError(RuntimeError):
@@ -131,8 +132,13 @@ def run_bench(model: str, methods: list[str], prompts: list[dict], *, max_tokens
               temperature: float, out_dir: Path, overrides: dict[str, dict] | None = None,
               repeat: int = 1, batch: bool = False, engine: dict | None = None,
               progress: bool = True, quality: bool | None = None,
-              eagle_head: str | None = None, reuse_raw: bool = False) -> dict:
-    """``quality`` (default: when sampling) adds each method's mean
+              eagle_head: str | None = None, reuse_raw: bool = False,
+              batch_size: int | None = None, workload: str = "spec_bench") -> dict:
+    """``prompts``: workload rows (``bench.workloads``; rows of a session
+    run turn by turn with each method's own earlier outputs in the context).
+    ``batch_size``: also run them in batches of that size (``batch``: all of
+    a turn at once), each turn of every session before the next turn.
+    ``quality`` (default: when sampling) adds each method's mean
     log-likelihood of its outputs under the target (``bench.quality``).
     ``reuse_raw``: a method whose raw file is already in ``out_dir/raw`` (an
     interrupted run with the same settings) is read back, not run again."""
@@ -152,7 +158,10 @@ def run_bench(model: str, methods: list[str], prompts: list[dict], *, max_tokens
                      "arctic-inference==0.3.0`)")
     configs = {m: method_config(m, overrides, eagle_head) for m in methods}
     engine = dict(engine or {})
-    per_method_steps = len(prompts) * repeat + (1 if batch else 0)
+    if batch_size is None and batch:
+        batch_size = 0  # one batch per turn: all prompts at once
+    batches = 0 if batch_size is None else len(batch_plan(prompts, batch_size))
+    per_method_steps = len(prompts) * repeat + batches
     bar = tqdm(total=per_method_steps * len(methods), desc="bench", unit="req",
                disable=not progress)
     raw: dict[str, Any] = {}
@@ -160,7 +169,7 @@ def run_bench(model: str, methods: list[str], prompts: list[dict], *, max_tokens
         bar.set_postfix_str(m)
         cfg = {"method_name": m, "model": model, "speculative_config": configs[m],
                "prompts": prompts, "max_tokens": max_tokens, "temperature": temperature,
-               "repeat": repeat, "batch": batch, "engine": engine}
+               "repeat": repeat, "batch_size": batch_size, "engine": engine}
         raw_path = out_dir / "raw" / f"{m}.json"
         if reuse_raw and raw_path.exists():
             raw[m] = json.loads(raw_path.read_text())
@@ -169,7 +178,8 @@ def run_bench(model: str, methods: list[str], prompts: list[dict], *, max_tokens
         raw[m] = run_worker(cfg, log_path, raw_path, on_progress=bar.update)
     bar.close()
     res = analyse(model, methods, configs, prompts, raw, notes, max_tokens=max_tokens,
-                  temperature=temperature, repeat=repeat, batch=batch, engine=engine)
+                  temperature=temperature, repeat=repeat, batch=batch_size is not None,
+                  batch_size=batch_size, workload=workload, engine=engine)
     if quality if quality is not None else temperature > 0:
         add_quality(res, model, raw)
     return res
@@ -211,13 +221,33 @@ def analyse(model, methods, configs, prompts, raw, notes, **settings) -> dict:
             entry["drafter_stats"] = raw[m]["drafter_stats"]
         b = raw[m].get("batch")
         if b:
-            bb = raw["plain"]["batch"]
-            entry["batch"] = {**summary(Counters(b["generated"], b["accepted"], b["drafts"],
-                                                 b["draft_tokens"], b["seconds"],
-                                                 b["accepted_per_pos"]),
-                                        Counters(bb["generated"], 0, 0, 0, bb["seconds"])),
-                              "outputs_differing_from_plain": sum(
-                                  x != y for x, y in zip(b["token_ids"], bb["token_ids"]))}
+            entry["batch"] = batch_entry(b, raw["plain"]["batch"])
         out["methods"][m] = entry
     out["implausible"] = [f.message for f in check(out)]
+    return out
+
+
+def batch_entry(b: dict, plain: dict) -> dict:
+    """The batched run of a method against plain's: the summary over all
+    batches, outputs compared by row id, and each batch's seconds and tau."""
+    def counters(x: dict, base: bool = False) -> Counters:
+        if base:
+            return Counters(x["generated"], 0, 0, 0, x["seconds"])
+        return Counters(x["generated"], x["accepted"], x["drafts"], x["draft_tokens"],
+                        x["seconds"], list(x["accepted_per_pos"]))
+
+    ids = b.get("ids") or list(range(len(b["token_ids"])))
+    plain_ids = plain.get("ids") or list(range(len(plain["token_ids"])))
+    plain_out = dict(zip(plain_ids, plain["token_ids"]))
+    out = {**summary(counters(b), counters(plain, base=True)),
+           "outputs_differing_from_plain": sum(
+               t != plain_out.get(i) for i, t in zip(ids, b["token_ids"]))}
+    if "batches" in b:
+        out["batch_size"] = b["batch_size"]
+        out["batches"] = [{"size": len(x["ids"]), "seconds": x["seconds"],
+                           "generated": x["generated"],
+                           "tokens_per_second": x["generated"] / x["seconds"]
+                           if x["seconds"] else None,
+                           "tau": counters(x).tau}
+                          for x in b["batches"]]
     return out
