@@ -91,6 +91,8 @@ def engine_tau() -> dict:
             data = json.loads(path.read_text())
             for m, v in data["methods"].items():
                 pp = v["per_prompt"]
+                if m != "plain" and not sum(p["draft_tokens"] for p in pp):
+                    continue   # drafted nothing (tr_budgets' "token_recycling": broken run)
                 steps = sum(p["generated"] - p["accepted"] for p in pp)
                 out.setdefault(m, {})[run] = {
                     "tau": sum(p["generated"] for p in pp) / steps if steps else None,
@@ -224,6 +226,24 @@ def cmd_report(args) -> None:
                 f"{v['best'][ln.name]['budget']}, {v['best'][ln.name]['speedup']:.2f}x"
                 for ln in lines) + " |")
         md.append("")
+        n_cat = args.category_budget
+        cats = {m: next((p["tau_by_category"] for p in v["points"] if p["budget"] == n_cat), {})
+                for m, v in data["methods"].items()}
+        names = sorted({c for t in cats.values() for c in t})
+        if len(names) > 1:
+            ms = list(cats)
+            md += [f"tau per category at n = {n_cat}:", "",
+                   "| category | " + " | ".join(ms) + " |", "|---|" + "---|" * len(ms)]
+            md += [f"| {c} | " + " | ".join(f"{cats[m].get(c, float('nan')):.3f}" for m in ms)
+                   + " |" for c in names]
+            for ours in ("sam", "sam_global", "sam_tr"):
+                if ours in cats and "suffix" in cats:
+                    k = sum(cats[ours][c] >= cats["suffix"][c] for c in names)
+                    md.append(f"\n`{ours}` tau >= `suffix` tau in {k} of {len(names)} "
+                              f"categories at n = {n_cat}.")
+                    wr.setdefault("categories_at_or_above_suffix", {})[ours] = k
+            wr["tau_by_category"] = {"budget": n_cat, **cats}
+            md.append("")
         if not args.no_plots:
             plot(w, data, lines, IMG / f"curves_{w}.png")
     cmp_path = OUT / "engine_compare.json"
@@ -259,6 +279,8 @@ def main(argv=None) -> None:
     p.add_argument("--gpu-cost", default="", help="FILE[:KEY]: a measured GPU cost line")
     p.add_argument("--cpu-cost", default="", help="FILE: a CPU cost line replacing the fit")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--category-budget", type=int, default=8,
+                   help="budget of the per-category table (8: the engine's default K)")
     args = ap.parse_args(argv)
     (cmd_run if args.cmd == "run" else cmd_report)(args)
 

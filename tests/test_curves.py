@@ -182,3 +182,16 @@ def test_curve_all_methods_small(tmp_path):
         assert pts[1]["accepted"] > 0, m
     res = replay_many(C.METHODS["sam"][0](4), C.requests_of(recs), 4)
     assert res["tau"] == pytest.approx(C.curve("sam", recs, [4])[0]["tau"])
+
+
+def test_curve_tau_by_category_sums_its_requests(tmp_path):
+    rows = [{"pos": 1, "category": "a", "prompt_ids": [1, 2, 3], "output_ids": [1, 2, 3] * 5},
+            {"pos": 3, "category": "b", "prompt_ids": [7, 8], "output_ids": [9, 10, 11, 12]},
+            {"pos": 5, "category": "a", "prompt_ids": [4], "output_ids": [5, 6]}]
+    pt = C.curve("sam", rows, [4])[0]
+    each: list = []
+    replay_many(C.METHODS["sam"][0](4), C.requests_of(rows), 4, per_request=each)
+    assert [e["generated"] for e in each] == [15, 4, 2]
+    assert pt["tau_by_category"]["a"] == pytest.approx(17 / (each[0]["steps"] + each[2]["steps"]))
+    assert pt["tau_by_category"]["b"] == pytest.approx(4 / each[1]["steps"]) == 1.0
+    assert pt["tau"] == pytest.approx(21 / sum(e["steps"] for e in each))

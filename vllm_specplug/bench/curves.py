@@ -208,9 +208,16 @@ def curve(method: str, rows: Sequence[dict], budgets: Sequence[int] = BUDGETS,
     make = factory or METHODS[method][0]
     out = []
     for n in budgets:
-        res = replay_many(make(n), requests_of(rows), n)
+        each: list[dict] = []
+        res = replay_many(make(n), requests_of(rows), n, per_request=each)
         res["budget"] = n
         res["nodes_per_step"] = res["draft_tokens"] / res["steps"] if res["steps"] else 0.0
+        by_cat: dict[str, list[int]] = {}
+        for r, c in zip(rows, each):
+            g = by_cat.setdefault(str(r.get("category", "")), [0, 0])
+            g[0] += c["generated"]
+            g[1] += c["steps"]
+        res["tau_by_category"] = {k: g / s for k, (g, s) in by_cat.items() if s}
         out.append(res)
     return out
 

@@ -101,16 +101,19 @@ def replay(proposer: Proposer, prompt_ids: Sequence[int], output_ids: Sequence[i
             "draft_tokens": draft_tokens, "drafts": drafts}
 
 
-def replay_many(proposer: Proposer, requests: Sequence[tuple], budget: int) -> dict:
+def replay_many(proposer: Proposer, requests: Sequence[tuple], budget: int,
+                per_request: list | None = None) -> dict:
     """``replay`` of (prompt ids, output ids[, topk]) requests one after
     another with one proposer (batch size 1: each request finishes before the
     next starts, so what a proposer keeps across requests is used); totals
-    and tau."""
+    and tau. ``per_request``: a list that receives each request's counters."""
     total = {key: 0 for key in COUNTERS}
     for i, request in enumerate(requests):
         prompt, output = request[0], request[1]
         topk = request[2] if len(request) > 2 else None
         res = replay(proposer, prompt, output, budget, req_id=f"r{i}", topk=topk)
+        if per_request is not None:
+            per_request.append(res)
         for key in total:
             total[key] += res[key]
     total["tau"] = total["generated"] / total["steps"] if total["steps"] else 1.0
