@@ -53,7 +53,13 @@ RECORDS = {
 ENGINE_RUNS = {
     "hybrid_corpus": REPO / "results" / "runs" / "hybrid_corpus.json",   # "Run B"
     "tr_budgets": REPO / "results" / "runs" / "tr_budgets.json",         # "Run A"
+    "eagle2": REPO / "results" / "runs" / "eagle2.json",                 # EAGLE section
 }
+# Engine-measured points of the methods the replay cannot run (the EAGLE
+# head needs the target's hidden states): projected with the cost lines.
+ENGINE_ONLY = {"eagle2": "eagle2", "eagle2@d4k4n8": "eagle2", "sam_eagle2": "eagle2"}
+# Methods of the GPU projection table (docs/gpu.md, "Projected speedups").
+GPU_TABLE = ("token_recycling", "sam_tr", "sam_global", "suffix")
 
 
 def engine_configs(cpu: C.CostLine) -> dict:
@@ -106,7 +112,7 @@ def cmd_run(args) -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     budgets = [int(x) for x in args.budgets.split(",")]
     methods = args.methods.split(",")
-    for w in args.workloads.split(","):
+    for w in filter(None, args.workloads.split(",")):
         recs, topk = RECORDS[w]
         if not recs.exists():
             print(f"{w}: no record {recs}, skipped", flush=True)
@@ -260,9 +266,42 @@ def cmd_report(args) -> None:
             md.append(f"| {m} | {r['tau']:.3f} | {et or 'n/a'} | {r['nodes_per_step']:.2f} | "
                       f"{en or 'n/a'} |")
         report["engine_compare"] = cmp
+    gpu_md = gpu_projection(report, lines)
+    (OUT / "gpu_projection.md").write_text(gpu_md)
+    md += ["", gpu_md]
     (OUT / "report.json").write_text(json.dumps(report, indent=1))
     (OUT / "report.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
+
+
+def gpu_projection(report: dict, lines: list[C.CostLine]) -> str:
+    """The table of docs/gpu.md's "Projected speedups": per workload and
+    method, tau at n = 64, and the best budget and speedup per cost line;
+    then the engine-measured EAGLE points projected the same way."""
+    md = ["| workload | method | tau at n=64 | " + " | ".join(
+        f"{ln.name}: best n, tau, speedup" for ln in lines) + " |",
+        "|---|---|---|" + "---|" * len(lines)]
+    for w, wr in report["workloads"].items():
+        for m in GPU_TABLE:
+            v = wr["methods"].get(m)
+            if v is None:
+                continue
+            md.append(f"| {w} | {m} | {v['tau'][max(v['tau'])]:.2f} | " + " | ".join(
+                f"{b['budget']}, {b['tau']:.2f}, {b['speedup']:.2f}x"
+                for b in (v["best"][ln.name] for ln in lines)) + " |")
+    eng = engine_tau()
+    pts = [(m, eng[m][run]) for m, run in ENGINE_ONLY.items() if run in eng.get(m, {})]
+    if pts:
+        md += ["", "Engine-measured EAGLE points (13 Spec-Bench prompts, 128 tokens, "
+               "`results/runs/eagle2.json`), verify cost only (the head's own forward "
+               "passes not counted):", "",
+               "| method | engine tau | draft nodes/step | " + " | ".join(
+                   f"{ln.name} speedup" for ln in lines) + " |",
+               "|---|---|---|" + "---|" * len(lines)]
+        for m, e in pts:
+            md.append(f"| {m} | {e['tau']:.2f} | {e['nodes_per_step']:.2f} | " + " | ".join(
+                f"{ln.speedup(e['tau'], e['nodes_per_step']):.2f}x" for ln in lines) + " |")
+    return "\n".join(md) + "\n"
 
 
 def main(argv=None) -> None:
