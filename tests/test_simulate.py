@@ -267,3 +267,41 @@ def test_replay_many_takes_topk_per_request():
     assert len(fed) == 2   # the first request only: prefill row, then one step
     with pytest.raises(ValueError, match="topk has 2 rows"):
         replay(ScriptedTree([]), [0], out, 4, topk=(ids[:2], np.zeros((2, 1))))
+
+
+def chain_replay_before_trees(proposer, prompt_ids, output_ids, budget, req_id="r"):
+    """``replay`` as it was before tree drafts (chains only), for reference."""
+    out = list(output_ids)
+    if not out:
+        return {"generated": 0, "steps": 0, "accepted": 0, "draft_tokens": 0, "drafts": 0}
+    proposer.start(req_id, list(prompt_ids) + out[:1])
+    pos, steps, accepted, draft_tokens, drafts = 1, 1, 0, 0, 0
+    while pos < len(out):
+        draft = proposer.propose(req_id, budget).tokens.tolist()
+        a = 0
+        while a < len(draft) and pos + a < len(out) and draft[a] == out[pos + a]:
+            a += 1
+        if draft:
+            drafts += 1
+            draft_tokens += len(draft)
+        n = min(a + 1, len(out) - pos)
+        proposer.observe(req_id, out[pos:pos + n])
+        accepted += n - 1
+        pos += n
+        steps += 1
+    proposer.complete(req_id)
+    proposer.finish(req_id)
+    return {"generated": len(out), "steps": steps, "accepted": accepted,
+            "draft_tokens": draft_tokens, "drafts": drafts}
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 3), max_size=20), st.lists(st.integers(0, 3), max_size=50),
+       st.integers(1, 8), st.sampled_from(["first", "frequent"]))
+def test_chain_replay_unchanged(prompt, out, budget, continuation):
+    """Chain proposers: the tree-aware replay gives what the chain replay gave."""
+    new = SamProposer(8, sam_continuation=continuation, sam_global_tokens=0)
+    old = SamProposer(8, sam_continuation=continuation, sam_global_tokens=0)
+    assert replay(new, prompt, out, budget) == chain_replay_before_trees(old, prompt, out,
+                                                                         budget)
+    assert new.acceptance.accepted.tolist() == old.acceptance.accepted.tolist()
