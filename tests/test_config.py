@@ -19,7 +19,7 @@ from vllm_specplug.vllm_adapter.version import (SUPPORTED_VLLM_VERSIONS,
                                                 UnsupportedVLLMVersion, check_vllm_version)
 
 SAM_DEFAULTS = {"sam_continuation": "frequent", "sam_min_match_len": 1,
-                "sam_min_accept_prob": 0.1, "sam_min_token_prob": 0.0,
+                "sam_min_accept_prob": None, "sam_min_token_prob": 0.0,
                 "sam_spec_factor": 4.0, "sam_corpus": "", "sam_corpus_bias": None,
                 "sam_global_tokens": 500_000, "sam_global_prompts": False}
 SAM_KEYS = ("sam_continuation", "sam_min_match_len", "sam_min_accept_prob",
@@ -193,7 +193,7 @@ def test_build_proposer_defaults():
     assert prop.num_speculative_tokens == 4
     assert prop.continuation == "frequent"
     assert prop.min_match_len == 1
-    assert prop.min_accept_prob == 0.1
+    assert prop.min_accept_prob is None   # draft lengths from the verify cost
     assert prop.min_token_prob == 0.0
     assert prop.spec_factor == 4.0
     assert prop.acceptance.tried.shape[1] == 4

@@ -20,7 +20,7 @@ CTX = [1, 2, 3, 4, 5, 1, 2, 3]  # match [1, 2, 3] (length 3), then 4 5 1 2 3 fol
 # without the learned cut: drafts depend on the context alone.
 FIRST = {"sam_continuation": "first", "sam_min_accept_prob": 0.0}
 DEFAULTS = {"sam_continuation": "frequent", "sam_min_match_len": 1,
-            "sam_min_accept_prob": 0.1, "sam_min_token_prob": 0.0, "sam_spec_factor": 4.0,
+            "sam_min_accept_prob": None, "sam_min_token_prob": 0.0, "sam_spec_factor": 4.0,
             "sam_corpus": "", "sam_corpus_bias": None, "sam_global_tokens": 500_000,
             "sam_global_prompts": False}
 # On CTX every earlier occurrence has a single continuation, so both ways of
@@ -78,7 +78,7 @@ def test_is_a_registered_proposer():
     assert prop.num_speculative_tokens == 4
     assert prop.continuation == "frequent"
     assert prop.min_match_len == 1
-    assert prop.min_accept_prob == 0.1
+    assert prop.min_accept_prob is None   # draft lengths from the verify cost
     assert prop.min_token_prob == 0.0
     assert prop.spec_factor == 4.0
     assert isinstance(prop.acceptance, AcceptanceByMatchLength)
@@ -680,3 +680,48 @@ def test_draft_is_frozen():
     d = Draft.chain([1])
     with pytest.raises(Exception):
         d.tokens = np.zeros(0, dtype=np.int32)  # type: ignore[misc]
+
+
+# ------------------------------- sam_min_accept_prob unset (default): cost-based length
+
+def _rate_argmax(p, cost, n):
+    """Brute force: the length maximising (1 + sum of the non-increasing
+    estimates) / (1 + cost * length); the shortest of ties."""
+    q = np.minimum.accumulate(np.asarray(p[:n], dtype=float))
+    rates = [(1 + q[:m].sum()) / (1 + cost * m) for m in range(n + 1)]
+    return int(np.argmax(rates))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 8), st.integers(0, 8)), max_size=12),
+       st.integers(1, 20), st.integers(0, 8), st.floats(0.0, 2.0))
+def test_cost_length_maximises_tokens_per_cost(updates, match_len, n, cost):
+    table = AcceptanceByMatchLength(8)
+    for drafted, accepted in updates:
+        table.update(match_len, drafted, min(accepted, drafted))
+    assert table.best_length(match_len, n, cost) == _rate_argmax(table.prob(match_len), cost, n)
+
+
+def test_cost_length_follows_the_verify_cost():
+    """A match whose drafts were accepted through 2 of 8 positions: a costly
+    verified token keeps 2 tokens, a nearly free one the whole draft."""
+    for cost, want in ((0.5, [4, 5]), (0.001, [4, 5, 1, 2, 3])):
+        prop = SamProposer(8, sam_continuation="first")
+        prop.relative_token_cost = cost
+        prop.acceptance.update(3, drafted=8, accepted=2)  # [2/3, 2/3, 1/3, ...]
+        assert draft_of(prop, CTX) == want, cost
+
+
+def test_cost_length_stops_drafts_that_are_always_wrong():
+    """With every draft rejected, a first token is worth its cost c while its
+    estimate 1/(t + 2) after t rejections exceeds c; then only exploration."""
+    cost = 0.08
+    prop = RecordingSam(8, sam_global_tokens=0, sam_continuation="first")
+    prop.relative_token_cost = cost
+    res = replay(prop, WRONG_PROMPT, WRONG_OUT, 8)
+    assert res["accepted"] == 0
+    lengths = [n for m, n in prop.log if m == 1]
+    warm = next(t for t in range(100) if 1 / (t + 2) <= cost)
+    assert all(n >= 1 for n in lengths[:warm])
+    assert lengths[warm:] == [1 if j % EXPLORE_EVERY == 0 else 0
+                              for j in range(warm + 1, len(lengths) + 1)]

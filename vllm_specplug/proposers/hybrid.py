@@ -114,6 +114,7 @@ class SamHybridProposer(Proposer):
 
     def propose(self, req_id: str, budget: int) -> Draft:
         self.fallback.relative_token_cost = self.relative_token_cost
+        self.sam.relative_token_cost = self.relative_token_cost
         self._sam_chain.pop(req_id, None)
         long_match = self.match_len(req_id) >= self.threshold
         if long_match:

@@ -12,9 +12,15 @@ earlier; the draft continues from there. Two ways to continue:
 
 Draft length follows match length: no draft below ``sam_min_match_len``, and
 an online estimate of how often a draft from a match of this length was
-accepted up to each position (shared by all requests) cuts the draft where
-that chance falls below ``sam_min_accept_prob``, so weak matches draft little
-and long matches draft up to ``num_speculative_tokens``.
+accepted up to each position (shared by all requests) cuts the draft. With
+``sam_min_accept_prob`` unset (default) the kept length maximises expected
+tokens per unit of verify cost, (1 + sum of the estimates) / (1 +
+relative_token_cost * length), with the cost of one more verified token that
+the engine measures (``Proposer.relative_token_cost``): drafts are short
+where verified tokens are expensive (a CPU: ~0.08 of a step each) and long
+where they are nearly free (a GPU). With ``sam_min_accept_prob`` set the
+draft is cut where the estimate falls below it. Weak matches draft little,
+long matches up to ``num_speculative_tokens``.
 
 Static corpus automata (``sam_corpus``, files from ``specplug build-sam``; see
 ``corpus_automaton``) are shared read-only by all requests; each request keeps
@@ -30,8 +36,8 @@ keeps its own matches in it.
 Each step has up to three candidate drafts: the request's own automaton
 ("dynamic"), the global store ("global") and the static corpus ("static").
 Each source keeps its own acceptance estimate per match length and position
-(fed by ``observe``); the step drafts from the source whose draft, cut where
-its estimate falls below ``sam_min_accept_prob``, has the highest expected
+(fed by ``observe``); the step drafts from the source whose draft, cut as
+above, has the highest expected
 accepted length (the sum of the estimates over the kept positions; ties:
 dynamic, global, static). ``sam_corpus_bias`` set to a number restores the
 fixed rule for the static corpus: its draft is used when its match length
@@ -46,6 +52,7 @@ from typing import TYPE_CHECKING, ClassVar, Sequence
 
 import numpy as np
 
+from ..budget import best_node_count
 from ..options import Option, SpecPlugConfigError
 from .base import Draft, Proposer, TargetTopK
 if TYPE_CHECKING:
@@ -110,12 +117,23 @@ class AcceptanceByMatchLength:
         """Expected accepted tokens of an n-token draft: the estimates' sum."""
         return self._row(match_len)[1][n - 1] if n > 0 else 0.0
 
-    def cut(self, match_len: int, n: int, min_prob: float) -> int:
-        """Draft length: positions before the first whose estimate < min_prob
-        (one more on every EXPLORE_EVERY-th proposal of the bucket)."""
+    def best_length(self, match_len: int, n: int, relative_cost: float) -> int:
+        """The length (at most n) that maximises expected tokens per unit of
+        verify cost, (1 + sum of the estimates) / (1 + relative_cost * length)
+        (the estimates made non-increasing: a later position cannot be
+        accepted more often than an earlier one); no side effect."""
+        p = np.minimum.accumulate(np.asarray(self._row(match_len)[0][:n]))
+        return best_node_count(p, relative_cost, n)
+
+    def cut(self, match_len: int, n: int, min_prob: float,
+            relative_cost: float | None = None) -> int:
+        """Draft length: with ``relative_cost``, ``best_length``; else the
+        positions before the first whose estimate < min_prob. One more on
+        every EXPLORE_EVERY-th proposal of the bucket."""
         b = self.bucket(match_len)
         self.proposals[b] += 1
-        keep = self.kept(match_len, n, min_prob)
+        keep = (self.kept(match_len, n, min_prob) if relative_cost is None
+                else self.best_length(match_len, n, relative_cost))
         if keep < n and self.proposals[b] % EXPLORE_EVERY == 0:
             keep += 1
         return keep
@@ -171,9 +189,12 @@ class SamProposer(Proposer):
         Option("sam_min_match_len", int, 1,
                "no draft when the longest earlier match is shorter than this",
                minimum=1, maximum=1024),
-        Option("sam_min_accept_prob", float, 0.1,
-               "cut the draft where the learned chance that it is still accepted falls "
-               "below this (0: never cut)", minimum=0.0, maximum=1.0),
+        Option("sam_min_accept_prob", float, None,
+               "unset: keep the draft length that maximises expected tokens per unit of "
+               "the verify cost this engine measures (short drafts where a verified token "
+               "is expensive, as on CPUs; long ones where it is nearly free, as on GPUs); "
+               "a number: cut the draft where the learned chance that it is still accepted "
+               "falls below it (0: never cut)", minimum=0.0, maximum=1.0),
         Option("sam_min_token_prob", float, 0.0,
                "'frequent': stop at a token that followed less often than this share",
                minimum=0.0, maximum=1.0),
@@ -220,14 +241,17 @@ class SamProposer(Proposer):
                     f"--model {tokenizer} CORPUS... -o FILE` or remove it from sam_corpus")
 
     def __init__(self, num_speculative_tokens: int, sam_continuation: str = "frequent",
-                 sam_min_match_len: int = 1, sam_min_accept_prob: float = 0.1,
+                 sam_min_match_len: int = 1, sam_min_accept_prob: float | None = None,
                  sam_min_token_prob: float = 0.0, sam_spec_factor: float = 4.0,
                  sam_corpus: str = "", sam_corpus_bias: int | None = None,
                  sam_global_tokens: int = 500_000, sam_global_prompts: bool = False) -> None:
         self.num_speculative_tokens = int(num_speculative_tokens)
         self.continuation = sam_continuation
         self.min_match_len = int(sam_min_match_len)
-        self.min_accept_prob = float(sam_min_accept_prob)
+        # None: draft lengths from the verify cost (``best_length``); a number:
+        # the fixed threshold rule
+        self.min_accept_prob = (None if sam_min_accept_prob is None
+                                else float(sam_min_accept_prob))
         self.min_token_prob = float(sam_min_token_prob)
         self.spec_factor = float(sam_spec_factor)
         self.corpora = open_corpora(sam_corpus)
@@ -378,7 +402,9 @@ class SamProposer(Proposer):
         if n <= 0:
             return -1.0, -1.0
         table = self._table(source)
-        if self.min_accept_prob > 0:
+        if self.min_accept_prob is None:
+            n = table.best_length(length, n, self.relative_token_cost)
+        elif self.min_accept_prob > 0:
             n = table.kept(length, n, self.min_accept_prob)
         return table.expected(length, n), table._row(length)[0][0]
 
@@ -427,7 +453,11 @@ class SamProposer(Proposer):
         """The draft ``tokens`` cut by the source's learned acceptance; remembered
         for ``observe``."""
         table = self._table(source)
-        if self.min_accept_prob > 0 and tokens:
+        if not tokens:
+            pass
+        elif self.min_accept_prob is None:
+            tokens = tokens[: table.cut(match_len, len(tokens), 0.0, self.relative_token_cost)]
+        elif self.min_accept_prob > 0:
             tokens = tokens[: table.cut(match_len, len(tokens), self.min_accept_prob)]
         if not tokens:
             return Draft.empty()
