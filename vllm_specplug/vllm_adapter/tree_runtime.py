@@ -337,19 +337,16 @@ def flash_tree_attention(impl, query: torch.Tensor, kv_cache: torch.Tensor,
 
 def _processed_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float
                      ) -> np.ndarray:
-    """Target distributions as plain sampling would use them."""
+    """Target distributions as plain sampling would use them: temperature,
+    then vLLM's own top-k/top-p filter (``apply_top_k_top_p_pytorch``, the
+    same call its sampler makes, so ties at the cut fall alike)."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
     x = logits.float() / max(temperature, 1e-6)
-    if 0 < top_k < x.shape[-1]:
-        kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if top_p < 1.0:
-        # vLLM's own cut (apply_top_k_top_p_pytorch): ascending sort, drop the
-        # tokens whose cumulative mass from the bottom is <= 1 - p, keep the
-        # top one; the same sort call, so exact ties at the cut fall alike
-        sorted_x, idx = x.sort(dim=-1, descending=False)
-        drop = torch.cumsum(sorted_x.softmax(dim=-1), dim=-1) <= 1 - top_p
-        drop[..., -1] = False
-        x = x.scatter(-1, idx, sorted_x.masked_fill(drop, float("-inf")))
+    rows, vocab = x.shape
+    k = torch.full((rows,), top_k, dtype=torch.long) if 0 < top_k < vocab else None
+    p = torch.full((rows,), top_p, dtype=torch.float32) if top_p < 1.0 else None
+    x = apply_top_k_top_p_pytorch(x.clone(), k, p)
     return torch.softmax(x, dim=-1).double().numpy()
 
 
