@@ -137,7 +137,8 @@ def run_bench(model: str, methods: list[str], prompts: list[dict], *, max_tokens
     """``prompts``: workload rows (``bench.workloads``; rows of a session
     run turn by turn with each method's own earlier outputs in the context).
     ``batch_size``: also run them in batches of that size (``batch``: all of
-    a turn at once), each turn of every session before the next turn.
+    a turn at once), each turn of every session before the next turn, in a
+    fresh engine per method (raw/METHOD.batch.json).
     ``quality`` (default: when sampling) adds each method's mean
     log-likelihood of its outputs under the target (``bench.quality``).
     ``reuse_raw``: a method whose raw file is already in ``out_dir/raw`` (an
@@ -169,13 +170,28 @@ def run_bench(model: str, methods: list[str], prompts: list[dict], *, max_tokens
         bar.set_postfix_str(m)
         cfg = {"method_name": m, "model": model, "speculative_config": configs[m],
                "prompts": prompts, "max_tokens": max_tokens, "temperature": temperature,
-               "repeat": repeat, "batch_size": batch_size, "engine": engine}
+               "repeat": repeat, "batch_size": None, "engine": engine}
         raw_path = out_dir / "raw" / f"{m}.json"
         if reuse_raw and raw_path.exists():
             raw[m] = json.loads(raw_path.read_text())
-            bar.update(per_method_steps)
+            bar.update(len(prompts) * repeat)
+        else:
+            raw[m] = run_worker(cfg, log_path, raw_path, on_progress=bar.update)
+        raw[m]["batch"] = None
+        if batch_size is None:
             continue
-        raw[m] = run_worker(cfg, log_path, raw_path, on_progress=bar.update)
+        # The batched pass runs in an engine of its own: in the engine of the
+        # one-at-a-time pass, cross-request memory (sam's global store,
+        # suffix's response cache) would already hold these very requests'
+        # outputs and draft them back, which no real batch job sees.
+        batch_path = out_dir / "raw" / f"{m}.batch.json"
+        if reuse_raw and batch_path.exists():
+            raw[m]["batch"] = json.loads(batch_path.read_text())["batch"]
+            bar.update(batches)
+            continue
+        out = run_worker({**cfg, "repeat": 0, "batch_size": batch_size}, log_path,
+                         batch_path, on_progress=bar.update)
+        raw[m]["batch"] = out["batch"]
     bar.close()
     res = analyse(model, methods, configs, prompts, raw, notes, max_tokens=max_tokens,
                   temperature=temperature, repeat=repeat, batch=batch_size is not None,
