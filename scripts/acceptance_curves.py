@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -64,7 +65,7 @@ GPU_TABLE = ("token_recycling", "sam_tr", "sam_global", "suffix")
 
 def engine_configs(cpu: C.CostLine) -> dict:
     """Engine method name -> (factory, budget) replaying its settings."""
-    rel = cpu.b / (cpu.a + cpu.b)   # StepCostModel.relative_token_cost(1)
+    rel = cpu.relative_token_cost   # StepCostModel.relative_token_cost(1)
 
     def auto(make):
         def build(_n):
@@ -73,6 +74,10 @@ def engine_configs(cpu: C.CostLine) -> dict:
             return p
         return build
 
+    # the engine runs predate sam's cost-based cut: the fixed threshold rule
+    # they ran with (sam_min_accept_prob 0.1) is replayed
+    old_sam = {"sam_min_accept_prob": 0.1}
+
     from vllm_specplug.proposers.hybrid import SamTokenRecyclingProposer
     from vllm_specplug.proposers.sam import SamProposer
     from vllm_specplug.proposers.token_recycling import TokenRecyclingProposer
@@ -80,13 +85,14 @@ def engine_configs(cpu: C.CostLine) -> dict:
     return {
         "ngram": (lambda n: C.NgramBaseline(8), 8),
         "suffix": (lambda n: C.SuffixBaseline(8), 8),
-        "sam": (lambda n: SamProposer(8, sam_global_tokens=0), 8),
-        "sam (global store)": (lambda n: SamProposer(8), 8),
+        "sam": (auto(lambda: SamProposer(8, sam_global_tokens=0, **old_sam)), 8),
+        "sam (global store)": (auto(lambda: SamProposer(8, **old_sam)), 8),
         "token_recycling@8": (lambda n: TokenRecyclingProposer(8), 8),
         "token_recycling@16": (lambda n: TokenRecyclingProposer(16), 16),
         "token_recycling@32": (lambda n: TokenRecyclingProposer(32), 32),
         "token_recycling": (auto(lambda: TokenRecyclingProposer(64, auto_budget=True)), 64),
-        "sam_tr": (auto(lambda: SamTokenRecyclingProposer(64, auto_budget=True)), 64),
+        "sam_tr": (auto(lambda: SamTokenRecyclingProposer(64, auto_budget=True, **old_sam)),
+                   64),
     }
 
 
@@ -124,8 +130,14 @@ def cmd_run(args) -> None:
                "budgets": budgets, "methods": {}}
         for m in methods:
             t = time.perf_counter()
-            pts = C.curve(m, rows, budgets)
+            # one replay per cost line: the adapter hands proposers the line's
+            # relative token cost, by which sam sizes its drafts
+            by_line = {ln.name: C.curve(m, rows, budgets,
+                                        relative_token_cost=ln.relative_token_cost)
+                       for ln in (C.cpu_cost_line(), C.gpu_like_cost_line())}
+            pts = by_line["gpu_like"]
             res["methods"][m] = {"description": C.METHODS[m][1], "points": pts,
+                                 "points_by_line": by_line,
                                  "seconds": round(time.perf_counter() - t, 2)}
             print(w, m, " ".join(f"{p['budget']}:{p['tau']:.3f}" for p in pts),
                   f"({res['methods'][m]['seconds']} s)", flush=True)
@@ -166,6 +178,18 @@ def cost_lines(args) -> list[C.CostLine]:
     return lines
 
 
+def line_points(v: dict, line: C.CostLine) -> list[dict]:
+    """The replay made with this line's relative token cost; for a line not
+    replayed (a measured GPU line), the one of the nearest b/a."""
+    by_line = v.get("points_by_line") or {"gpu_like": v["points"]}
+    if line.name in by_line:
+        return by_line[line.name]
+    known = {ln.name: ln for ln in (C.cpu_cost_line(), C.gpu_like_cost_line())}
+    name = min(by_line, key=lambda k: abs(math.log((known[k].b / known[k].a) /
+                                                   max(line.b / line.a, 1e-9))))
+    return by_line[name]
+
+
 def plot(w: str, data: dict, lines: list[C.CostLine], path: Path) -> None:
     import matplotlib
 
@@ -178,8 +202,8 @@ def plot(w: str, data: dict, lines: list[C.CostLine], path: Path) -> None:
         x = [p["budget"] for p in pts]
         axes[0].plot(x, [p["tau"] for p in pts], marker="o", label=m)
         for ax, line in zip(axes[1:], lines):
-            ax.plot(x, [line.speedup(p["tau"], p["nodes_per_step"]) for p in pts],
-                    marker="o", label=m)
+            ax.plot(x, [line.speedup(p["tau"], p["nodes_per_step"])
+                        for p in line_points(v, line)], marker="o", label=m)
     axes[0].set_title(f"{w}: tau vs budget (replay, odd half)")
     axes[0].set_ylabel("tau (tokens per target step)")
     for ax, line in zip(axes[1:], lines):
@@ -213,7 +237,7 @@ def cmd_report(args) -> None:
                                        "output_tokens": data["output_tokens"], "methods": {}}
         md += [f"### {w} ({data['requests']} requests, {data['output_tokens']} output tokens, "
                f"{data['half']} half)", "",
-               "tau per budget n (draft nodes per step actually verified in brackets):", "",
+               "tau per budget n, replayed with the GPU-like line's relative token cost (draft nodes per step actually verified in brackets; `sam` cuts its drafts by this cost, so with the CPU line its tau is a little lower: `curves_<workload>.json`, `points_by_line`):", "",
                "| method | " + " | ".join(f"n={n}" for n in budgets) + " |",
                "|---|" + "---|" * len(budgets)]
         for m, v in data["methods"].items():
@@ -223,7 +247,8 @@ def cmd_report(args) -> None:
             wr["methods"][m] = {"tau": {p["budget"]: round(p["tau"], 4) for p in pts},
                                 "nodes_per_step": {p["budget"]: round(p["nodes_per_step"], 3)
                                                    for p in pts},
-                                "best": {ln.name: C.best_budget(pts, ln) for ln in lines}}
+                                "best": {ln.name: C.best_budget(line_points(v, ln), ln)
+                                         for ln in lines}}
         md += ["", "Best budget and expected speedup per cost line:", "",
                "| method | " + " | ".join(f"{ln.name}: best n, speedup" for ln in lines) + " |",
                "|---|" + "---|" * len(lines)]

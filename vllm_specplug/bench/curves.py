@@ -203,13 +203,20 @@ def requests_of(rows: Sequence[dict]) -> list[tuple]:
 
 
 def curve(method: str, rows: Sequence[dict], budgets: Sequence[int] = BUDGETS,
-          factory: Callable[[int], Proposer] | None = None) -> list[dict]:
-    """Replay of ``rows`` (one proposer for all, in order) at each budget."""
+          factory: Callable[[int], Proposer] | None = None,
+          relative_token_cost: float | None = None) -> list[dict]:
+    """Replay of ``rows`` (one proposer for all, in order) at each budget.
+    ``relative_token_cost``: what the adapter would set from the verify-cost
+    line (``b / (a + b)``), read by proposers that size drafts by cost
+    (``sam``'s default cut); None: the class default."""
     make = factory or METHODS[method][0]
     out = []
     for n in budgets:
         each: list[dict] = []
-        res = replay_many(make(n), requests_of(rows), n, per_request=each)
+        proposer = make(n)
+        if relative_token_cost is not None:
+            proposer.relative_token_cost = relative_token_cost
+        res = replay_many(proposer, requests_of(rows), n, per_request=each)
         res["budget"] = n
         res["nodes_per_step"] = res["draft_tokens"] / res["steps"] if res["steps"] else 0.0
         by_cat: dict[str, list[int]] = {}
@@ -240,6 +247,11 @@ class CostLine:
     def speedup(self, tau: float, nodes_per_step: float) -> float:
         """Expected speedup over plain decoding (one token per step)."""
         return tau * self.cost(1) / self.cost(1 + nodes_per_step)
+
+    @property
+    def relative_token_cost(self) -> float:
+        """``StepCostModel.relative_token_cost(1)`` of this line."""
+        return self.b / (self.a + self.b)
 
     def as_dict(self) -> dict:
         return {"a": self.a, "b": self.b, "b_over_a": self.b / self.a, "name": self.name,
