@@ -195,3 +195,20 @@ def test_curve_tau_by_category_sums_its_requests(tmp_path):
     assert pt["tau_by_category"]["a"] == pytest.approx(17 / (each[0]["steps"] + each[2]["steps"]))
     assert pt["tau_by_category"]["b"] == pytest.approx(4 / each[1]["steps"]) == 1.0
     assert pt["tau"] == pytest.approx(21 / sum(e["steps"] for e in each))
+
+
+def test_curve_hands_the_relative_token_cost_to_the_proposer():
+    seen = []
+
+    def make(n):
+        p = C.METHODS["sam"][0](n)
+        seen.append(p)
+        return p
+
+    rows = [{"pos": 1, "prompt_ids": [1, 2, 3, 4], "output_ids": [1, 2, 3, 4] * 6}]
+    C.curve("sam", rows, [8], factory=make, relative_token_cost=0.5)
+    C.curve("sam", rows, [8], factory=make)
+    assert seen[0].relative_token_cost == 0.5
+    assert seen[1].relative_token_cost == type(seen[1]).relative_token_cost
+    line = C.CostLine(3.0, 1.0)
+    assert line.relative_token_cost == 0.25
