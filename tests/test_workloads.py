@@ -239,11 +239,14 @@ def test_prompt_lengths(name, tokenizer):
 
 # ------------------------------------------------------------------ engine
 @pytest.mark.engine
+@pytest.mark.slow
 def test_sessions_run_turn_by_turn_identical_outputs(model_path, tmp_path, tokenizer):
     """Two agentic sessions x two turns through the bench worker (one
-    process per method, as `specplug bench` runs them), at batch size 1 and
-    in batches of 2: sam's outputs equal plain's, and turn 1's prompt holds
-    the method's own turn-0 output."""
+    process per method and pass, as `specplug bench` runs them), at batch
+    size 1 and in batches of 2 (a fresh engine): sam's outputs equal
+    plain's, and turn 1's prompt holds the method's own turn-0 output.
+    Slow tier: four engine processes for the harness's own session logic;
+    the default tier's `specplug bench --quick` covers the engine path."""
     from vllm_specplug.bench.run import run_bench
 
     rows = [r for r in load_workload("agentic", limit=2) if r["turn"] < 2]
@@ -256,6 +259,7 @@ def test_sessions_run_turn_by_turn_identical_outputs(model_path, tmp_path, token
         assert e["outputs_differing_from_plain"] == 0, (m, e["differing_prompt_ids"])
         assert e["batch"]["outputs_differing_from_plain"] == 0
         assert [b["size"] for b in e["batch"]["batches"]] == [2, 2]
+        assert (tmp_path / "raw" / f"{m}.batch.json").exists()   # its own engine
         raw = json.loads((tmp_path / "raw" / f"{m}.json").read_text())
         by_id = {r["id"]: r for r in raw["results"]}
         assert [r["id"] for r in raw["results"]] == [r["id"] for r in rows]
