@@ -248,6 +248,9 @@ def test_multi_step_simulation_matches_fresh_proposer(patch_calls, opts):
             sampled.append(list(committed))
             hists.append(t[:pos[rid]])
         drafts = step(drafter, order, hists, sampled)
+        # the drafter hands its proposer the engine's measured token cost
+        # each step (the default length rule reads it): the direct one too
+        direct.relative_token_cost = drafter.proposer.relative_token_cost
         for rid, hist, committed, d in zip(order, hists, sampled, drafts):
             if it == 0:
                 direct.start(rid, hist)
