@@ -38,8 +38,6 @@ def table(res: dict) -> str:
                _f(o.get("speedup"), "{:.2f}x"), str(e["outputs_differing_from_plain"])]
         if batched:
             b = e.get("batch")
-            if name == "plain" and b is None:
-                b = None
             row += ([_f(b["tokens_per_second"], "{:.1f}"), _f(b.get("speedup"), "{:.2f}x"),
                      str(b["outputs_differing_from_plain"])] if b else ["-", "-", "-"])
         lines.append("| " + " | ".join(row) + " |")

@@ -125,15 +125,21 @@ class AcceptanceByMatchLength:
         p = np.minimum.accumulate(np.asarray(self._row(match_len)[0][:n]))
         return best_node_count(p, relative_cost, n)
 
-    def cut(self, match_len: int, n: int, min_prob: float,
-            relative_cost: float | None = None) -> int:
-        """Draft length: with ``relative_cost``, ``best_length``; else the
-        positions before the first whose estimate < min_prob. One more on
-        every EXPLORE_EVERY-th proposal of the bucket."""
+    def length(self, match_len: int, n: int, min_prob: float | None,
+               relative_cost: float) -> int:
+        """Draft length (no side effect): ``best_length`` when ``min_prob`` is
+        None, else the positions before the first whose estimate < min_prob
+        (0: never cut)."""
+        if min_prob is None:
+            return self.best_length(match_len, n, relative_cost)
+        return self.kept(match_len, n, min_prob) if min_prob > 0 else n
+
+    def cut(self, match_len: int, n: int, min_prob: float | None,
+            relative_cost: float = 0.0) -> int:
+        """``length``, one more on every EXPLORE_EVERY-th proposal of the bucket."""
         b = self.bucket(match_len)
         self.proposals[b] += 1
-        keep = (self.kept(match_len, n, min_prob) if relative_cost is None
-                else self.best_length(match_len, n, relative_cost))
+        keep = self.length(match_len, n, min_prob, relative_cost)
         if keep < n and self.proposals[b] % EXPLORE_EVERY == 0:
             keep += 1
         return keep
@@ -402,10 +408,7 @@ class SamProposer(Proposer):
         if n <= 0:
             return -1.0, -1.0
         table = self._table(source)
-        if self.min_accept_prob is None:
-            n = table.best_length(length, n, self.relative_token_cost)
-        elif self.min_accept_prob > 0:
-            n = table.kept(length, n, self.min_accept_prob)
+        n = table.length(length, n, self.min_accept_prob, self.relative_token_cost)
         return table.expected(length, n), table._row(length)[0][0]
 
     def _choose(self, req_id: str, budget: int) -> tuple[str, int, list[int]]:
@@ -453,12 +456,9 @@ class SamProposer(Proposer):
         """The draft ``tokens`` cut by the source's learned acceptance; remembered
         for ``observe``."""
         table = self._table(source)
-        if not tokens:
-            pass
-        elif self.min_accept_prob is None:
-            tokens = tokens[: table.cut(match_len, len(tokens), 0.0, self.relative_token_cost)]
-        elif self.min_accept_prob > 0:
-            tokens = tokens[: table.cut(match_len, len(tokens), self.min_accept_prob)]
+        if tokens and self.min_accept_prob != 0:   # 0: never cut, the table unread
+            tokens = tokens[: table.cut(match_len, len(tokens), self.min_accept_prob,
+                                        self.relative_token_cost)]
         if not tokens:
             return Draft.empty()
         self._pending[req_id] = (source, match_len, tokens)

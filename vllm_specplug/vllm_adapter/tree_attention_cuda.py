@@ -8,7 +8,8 @@ their siblings too); afterwards, when the step has tree requests, their
 draft-node rows of ``output`` are recomputed by the Triton paged
 tree-attention kernel (``tree_runtime.flash_tree_attention``) over this
 layer's paged cache, with the per-step arguments ``prepare_tree_requests``
-built (the drafter's ``step.flash``, bound to the layer at model load) and this layer's block table from its metadata.
+built (the drafter's ``step.flash``, bound to the layer at model load) and
+this layer's block table from its metadata.
 
 The metadata builder reports no CUDA graph support, so vLLM resolves the
 cudagraph mode to PIECEWISE (attention outside the graphs, where this Python

@@ -346,7 +346,7 @@ def _processed_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p
     rows, vocab = x.shape
     k = torch.full((rows,), top_k, dtype=torch.long) if 0 < top_k < vocab else None
     p = torch.full((rows,), top_p, dtype=torch.float32) if top_p < 1.0 else None
-    x = apply_top_k_top_p_pytorch(x.clone(), k, p)
+    x = apply_top_k_top_p_pytorch(x, k, p)   # in place on our own copy
     return torch.softmax(x, dim=-1).double().numpy()
 
 
