@@ -146,28 +146,71 @@ def test_drafter_cuts_weak_drafts_in_a_batch_and_tells_the_proposer(patch_calls)
     assert not d.proposer._pending
 
 
-def test_drafter_explores_one_node_now_and_then(patch_calls):
-    """Cut drafts still get a first node on one step in EXPLORE_EVERY (one
-    node for the whole batch, the requests in turn), so the proposer's
-    acceptance estimates can recover without taxing every large-batch step."""
-    from vllm_specplug.vllm_adapter.drafter import EXPLORE_EVERY
+def test_drafter_explores_within_its_share_of_step_time(patch_calls):
+    """Cut drafts still get nodes verified, paid from EXPLORE_SHARE of each
+    step's time: a fresh engine whose estimates start below the bar still
+    learns, and a batch never spends more than that share on nodes that do
+    not pay."""
+    from vllm_specplug.vllm_adapter.drafter import EXPLORE_SHARE
 
     d = _drafter({"method": "sam", "num_speculative_tokens": 4,
                   "sam_min_accept_prob": 0.0})
+    # a step of 2 rows costs 1 + 10 * 2 = 21, a node 10: no node pays (bar 0.95),
+    # a node with the prior's 0.5 is within the exploration margin
     d.step_cost = type(d.step_cost)(prior_a=1.0, prior_b=10.0, prior_weight=1e9)
     hist = {"a": [1, 2, 3, 1, 2, 3, 1, 2], "b": [7, 8, 9, 7, 8, 9, 7, 8]}
+    steps = 64
     lengths = []
-    for _ in range(EXPLORE_EVERY * 2):
+    for _ in range(steps):
         drafts = step(d, ["a", "b"], [hist["a"], hist["b"]], [[hist["a"][-1]],
                                                               [hist["b"][-1]]])
         lengths.append([len(x) for x in drafts])
-        for rid, dr in zip(("a", "b"), drafts):  # nothing verified: same history
+        for rid in ("a", "b"):  # nothing verified: same history
             d._seen.pop(rid, None)
             d.proposer.finish(rid)
-    assert all(n <= 1 for row in lengths for n in row)
-    per_request = [sum(row[i] for row in lengths) for i in range(2)]
-    assert per_request == [1, 1], lengths
-    assert [sum(row) for row in lengths].count(1) == 2
+    explored = sum(map(sum, lengths))
+    budget = steps * EXPLORE_SHARE * 21.0 / 10.0  # 6.7 nodes
+    assert int(budget) - 1 <= explored <= budget, lengths
+    assert all(sum(row) <= 1 for row in lengths)
+    assert d.stats()["batch_budget"]["nodes_explored"] == explored
+
+
+def test_exploration_takes_the_likeliest_cut_nodes_within_the_margin():
+    from vllm_specplug.budget import allocate_batch_exploring
+
+    a, b = 1.0, 10.0  # bar for a first node among 2 rows: 2 * 10 / 21 = 0.95
+    drafts = [chain([0.3, 0.3]), chain([0.6, 0.55]), chain([0.6])]
+    out, n = allocate_batch_exploring(drafts, a, b, 2, explore=0)
+    assert n == 0 and sum(map(len, out)) == 0
+    out, n = allocate_batch_exploring(drafts, a, b, 2, explore=1)
+    assert n == 1 and [len(x) for x in out] == [0, 1, 0]
+    # equal values: shallow nodes of other rows before a row's deeper ones
+    out, n = allocate_batch_exploring(drafts, a, b, 2, explore=2)
+    assert n == 2 and [len(x) for x in out] == [0, 1, 1]
+    # 0.3 is below half the bar: never explored, whatever the budget
+    out, n = allocate_batch_exploring(drafts, a, b, 2, explore=10)
+    assert [len(x) for x in out] == [0, 2, 1] and n == 3
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.lists(probs, min_size=0, max_size=5), min_size=1, max_size=4),
+       st.floats(0.01, 2.0), st.integers(0, 6))
+def test_exploration_adds_to_the_optimum_and_keeps_prefixes(rows_values, ratio, explore):
+    """Exploring keeps every node the plain allocation keeps, adds at most
+    ``explore`` nodes, each at least half the bar, and still cuts prefixes."""
+    from vllm_specplug.budget import allocate_batch_exploring
+
+    drafts = [chain(monotone_values(np.asarray(v), None)) for v in rows_values]
+    rows = len(drafts)
+    plain = allocate_batch(drafts, 1.0, ratio, rows)
+    got, n = allocate_batch_exploring(drafts, 1.0, ratio, rows, explore=explore)
+    assert 0 <= n <= explore
+    for d, p, g in zip(drafts, plain, got):
+        assert g.tokens.tolist() == d.tokens[: len(g)].tolist()
+        assert len(g) >= len(p)
+    assert sum(map(len, got)) - sum(map(len, plain)) <= n or n == 0
+    if explore == 0:
+        assert [len(g) for g in got] == [len(p) for p in plain]
 
 
 # ------------------------------------------------------------ calibration

@@ -43,7 +43,7 @@ def test_construction(patch_calls):
     assert stats.pop("step_cost")["samples"] == 0
     assert stats.pop("proposer")["dynamic_drafts"] == 0
     assert stats.pop("batch_budget") == {"steps": 0, "disabled_steps": 0,
-                                         "nodes_proposed": 0, "nodes_kept": 0}
+                                         "nodes_proposed": 0, "nodes_kept": 0, "nodes_explored": 0}
     assert stats.pop("propose_time") == {"calls": 0, "rows": 0, "seconds": 0.0}
     assert stats.pop("calibration") == {"ratio": 1.0, "settled": 0, "accepted": 0.0,
                                         "expected": 0.0}

@@ -215,7 +215,23 @@ def allocate_batch(drafts: list, a: float, b: float, rows: int, scale: float = 1
     (``AcceptanceCalibration.ratio``; capped at 1). Drafts without scores are kept whole
     (their cost counts). Returns the drafts cut to the chosen nodes: a chain
     keeps a prefix, a tree an ancestor-closed subset (values are made
-    monotone from parent to child, and ties keep parents first)."""
+    monotone from parent to child, and ties keep shallower nodes first)."""
+    return allocate_batch_exploring(drafts, a, b, rows, scale)[0]
+
+
+def allocate_batch_exploring(drafts: list, a: float, b: float, rows: int,
+                             scale: float = 1.0, explore: int = 0,
+                             margin: float = 0.5) -> tuple[list, int]:
+    """``allocate_batch``, then up to ``explore`` more nodes that do not pay
+    for themselves on their current estimates, the most likely first, each
+    above ``margin`` times the value it had to beat; returns (drafts, nodes
+    taken that way).
+
+    Exploration: an estimate learns only from nodes that are verified, so
+    without it a batch whose estimates start (or fall) below the bar never
+    drafts again, however good its drafts would be. The caller sizes
+    ``explore`` from a share of step time (the drafter's ``EXPLORE_SHARE``);
+    ``margin`` spends it only on nodes that could plausibly pay."""
     from .proposers.base import Draft
 
     n_tokens = float(rows)
@@ -226,13 +242,20 @@ def allocate_batch(drafts: list, a: float, b: float, rows: int, scale: float = 1
             n_tokens += len(d)
             continue
         m = np.minimum(monotone_values(d.scores, d.parents) * float(scale), 1.0)
-        cands.extend((-float(x), i, j) for j, x in enumerate(m))
+        # (-value, index, row): a parent precedes its children (higher or
+        # equal value, lower index), and equal values go to shallow nodes of
+        # any row before deep ones of one row
+        cands.extend((-float(x), j, i) for j, x in enumerate(m))
     cands.sort()
     keep = [np.zeros(len(d), dtype=bool) for d in drafts]
-    for neg_v, i, j in cands:
+    explored = 0
+    for neg_v, j, i in cands:
         v = -neg_v
-        if v <= expected * b / (a + b * n_tokens):
-            break
+        bar = expected * b / (a + b * n_tokens)
+        if v <= bar:
+            if explored >= explore or v <= margin * bar:
+                break
+            explored += 1
         keep[i][j] = True
         expected += v
         n_tokens += 1
@@ -244,7 +267,7 @@ def allocate_batch(drafts: list, a: float, b: float, rows: int, scale: float = 1
             out.append(Draft.empty())
         else:
             out.append(subset(d, k))
-    return out
+    return out, explored
 
 
 def subset(draft, keep: np.ndarray):

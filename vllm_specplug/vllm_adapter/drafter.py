@@ -23,8 +23,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..budget import (SAVE_EVERY, AcceptanceCalibration, StepCostModel, allocate_batch,
-                      expected_accepted, load_prior, save_fit, subset)
+from ..budget import (SAVE_EVERY, AcceptanceCalibration, StepCostModel,
+                      allocate_batch_exploring, expected_accepted, load_prior, save_fit,
+                      subset)
 from ..config import ADDITIONAL_CONFIG_KEY, build_proposer
 from ..proposers.base import Draft
 from . import stats_export
@@ -33,9 +34,13 @@ from .step_state import StepTrees, bind_tree_layers
 
 logger = logging.getLogger("vllm_specplug")
 
-# In a batch, a request whose draft the batch-aware budget cut entirely keeps
-# its first node on one step in this many (so estimates keep learning).
-EXPLORE_EVERY = 16
+# In batch steps, up to this share of a step's time (the decoding rows' cost)
+# buys draft nodes the batch-aware budget would cut, so acceptance estimates
+# that start (or fall) below the bar keep learning: at worst a batch runs this
+# much slower than without them. Unspent time carries over for at most
+# EXPLORE_CARRY steps.
+EXPLORE_SHARE = 0.05
+EXPLORE_CARRY = 16
 
 
 def step_cost_cache_path(vllm_config: Any) -> Path | None:
@@ -117,7 +122,9 @@ class SpecPlugDrafter(DrafterState):
         self.num_errors = 0
         # batch-aware budget steps and the draft nodes they proposed and kept
         self.batch_stats = {"steps": 0, "disabled_steps": 0, "nodes_proposed": 0,
-                            "nodes_kept": 0}
+                            "nodes_kept": 0, "nodes_explored": 0}
+        # draft nodes that may still be explored (EXPLORE_SHARE of step time)
+        self._explore_nodes = 0.0
         # the drafter's own time (proposing, budgets, rank agreement): calls,
         # batch rows and seconds, so its overhead can be set against steps
         self.propose_time = {"calls": 0, "rows": 0, "seconds": 0.0}
@@ -315,20 +322,16 @@ class SpecPlugDrafter(DrafterState):
         if self.plugin.get("batch_budget", "auto") != "auto" or decoding < 2:
             return drafts
         a, b = self.step_cost.fit()
-        out = allocate_batch(drafts, a, b, decoding, scale=self.calibration.ratio)
-        # exploration: now and then one request whose whole draft was cut
-        # keeps its first node, so proposers' acceptance estimates (shared by
-        # all requests) keep learning in large batches. One node per
-        # EXPLORE_EVERY steps for the whole batch, the rows taken in turn:
-        # one per request per step would add a token per EXPLORE_EVERY rows
-        # to every step of a large batch (3-5% of a 32-request step here).
+        # nodes EXPLORE_SHARE of this step's time buys (a unitless count, so
+        # the carried credit survives the cost fit's change of scale)
+        share = EXPLORE_SHARE * (a / b + decoding) if b > 0 else float(proposed)
+        self._explore_nodes = min(self._explore_nodes + share, EXPLORE_CARRY * share)
+        out, explored = allocate_batch_exploring(drafts, a, b, decoding,
+                                                 scale=self.calibration.ratio,
+                                                 explore=int(self._explore_nodes))
+        self._explore_nodes -= explored
         stats["steps"] += 1
-        if stats["steps"] % EXPLORE_EVERY == 0:
-            cut = [row for row, (before, after) in enumerate(zip(drafts, out))
-                   if len(before) and not len(after)]
-            if cut:
-                row = cut[(stats["steps"] // EXPLORE_EVERY) % len(cut)]
-                out[row] = subset(drafts[row], np.arange(len(drafts[row])) == 0)
+        stats["nodes_explored"] += explored
         req_ids = self._step_req_ids
         for row, (before, after) in enumerate(zip(drafts, out)):
             if len(after) < len(before):
