@@ -190,6 +190,10 @@ def test_exploration_takes_the_likeliest_cut_nodes_within_the_margin():
     # 0.3 is below half the bar: never explored, whatever the budget
     out, n = allocate_batch_exploring(drafts, a, b, 2, explore=10)
     assert [len(x) for x in out] == [0, 2, 1] and n == 3
+    # a calibration at its floor (scale 1/4) does not stop exploration: the
+    # margin reads the proposer's estimates, so verified drafts can lift it
+    out, n = allocate_batch_exploring(drafts, a, b, 2, scale=0.25, explore=3)
+    assert [len(x) for x in out] == [0, 2, 1] and n == 3
 
 
 @settings(max_examples=150, deadline=None)

@@ -224,14 +224,18 @@ def allocate_batch_exploring(drafts: list, a: float, b: float, rows: int,
                              margin: float = 0.5) -> tuple[list, int]:
     """``allocate_batch``, then up to ``explore`` more nodes that do not pay
     for themselves on their current estimates, the most likely first, each
-    above ``margin`` times the value it had to beat; returns (drafts, nodes
-    taken that way).
+    with an estimate (before ``scale``) above ``margin`` times the value it
+    had to beat; returns (drafts, nodes taken that way).
 
     Exploration: an estimate learns only from nodes that are verified, so
     without it a batch whose estimates start (or fall) below the bar never
     drafts again, however good its drafts would be. The caller sizes
     ``explore`` from a share of step time (the drafter's ``EXPLORE_SHARE``);
-    ``margin`` spends it only on nodes that could plausibly pay."""
+    ``margin`` spends it only on nodes that could plausibly pay. The margin
+    reads the proposer's own estimate, not the calibrated one: calibration
+    learns only from verified drafts too, so a ratio that fell to its floor
+    on a few failed drafts must not stop the exploration that lets it
+    recover."""
     from .proposers.base import Draft
 
     n_tokens = float(rows)
@@ -241,19 +245,20 @@ def allocate_batch_exploring(drafts: list, a: float, b: float, rows: int,
         if d.scores is None:
             n_tokens += len(d)
             continue
-        m = np.minimum(monotone_values(d.scores, d.parents) * float(scale), 1.0)
-        # (-value, index, row): a parent precedes its children (higher or
-        # equal value, lower index), and equal values go to shallow nodes of
-        # any row before deep ones of one row
-        cands.extend((-float(x), j, i) for j, x in enumerate(m))
+        raw = monotone_values(d.scores, d.parents)
+        m = np.minimum(raw * float(scale), 1.0)
+        # (-value, index, row, estimate): a parent precedes its children
+        # (higher or equal value, lower index), and equal values go to
+        # shallow nodes of any row before deep ones of one row
+        cands.extend((-float(x), j, i, float(r)) for j, (x, r) in enumerate(zip(m, raw)))
     cands.sort()
     keep = [np.zeros(len(d), dtype=bool) for d in drafts]
     explored = 0
-    for neg_v, j, i in cands:
+    for neg_v, j, i, estimate in cands:
         v = -neg_v
         bar = expected * b / (a + b * n_tokens)
         if v <= bar:
-            if explored >= explore or v <= margin * bar:
+            if explored >= explore or estimate <= margin * bar:
                 break
             explored += 1
         keep[i][j] = True
