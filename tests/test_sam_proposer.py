@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from vllm_specplug.bench.simulate import replay
 from vllm_specplug.proposers.base import Draft, Proposer
-from vllm_specplug.proposers.sam import (COUNT_DEPTH, EXPLORE_EVERY, MAX_BUCKET, STATS_HORIZON,
+from vllm_specplug.proposers.sam import (COUNT_DEPTH, EXPLORE_EVERY, MAX_BUCKET, PRIOR_WEIGHT,
+                                         STATS_HORIZON,
                                          AcceptanceByMatchLength, SamProposer)
 from vllm_specplug.proposers.suffix_automaton import SuffixAutomaton
 
@@ -187,7 +188,8 @@ def test_min_token_prob_at_a_tie(min_token_prob):
 
 @BOTH
 def test_observe_extends_the_context(opts):
-    prop = SamProposer(8, sam_min_match_len=2, **opts)
+    # drafts whole (the cut's learning is tested below): this checks the content
+    prop = SamProposer(8, sam_min_match_len=2, **{**opts, "sam_min_accept_prob": 0.0})
     prop.start("r", [1, 2, 3, 4, 5, 1])
     assert len(prop.propose("r", 8)) == 0  # match [1] is shorter than 2
     prop.observe("r", [2])
@@ -344,39 +346,79 @@ def test_acceptance_buckets():
         0, 1, 7, MAX_BUCKET - 1, MAX_BUCKET, MAX_BUCKET, MAX_BUCKET]
 
 
+def reference_prob(acc: AcceptanceByMatchLength, b: int) -> list[float]:
+    """The documented estimate, written out: Beta(1, 1) at the first position;
+    position i shrinks (PRIOR_WEIGHT drafts) towards the estimate at i - 1
+    times the decay over all buckets, min(q[i] / q[i - 1], 1), q[i] = (sum of
+    accepted at i + 1) / (sum of tried at i + 2)."""
+    q = [(sum(acc.accepted[:, i]) + 1) / (sum(acc.tried[:, i]) + 2)
+         for i in range(acc.tried.shape[1])]
+    out = [(acc.accepted[b, 0] + 1) / (acc.tried[b, 0] + 2)]
+    for i in range(1, len(q)):
+        prior = out[-1] * min(q[i] / q[i - 1], 1.0)
+        out.append((acc.accepted[b, i] + PRIOR_WEIGHT * prior) / (acc.tried[b, i] + PRIOR_WEIGHT))
+    return out
+
+
 def test_acceptance_update_and_prob_arithmetic():
+    assert PRIOR_WEIGHT == 2.0  # the hand-computed numbers below
     acc = AcceptanceByMatchLength(6)
     acc.update(3, drafted=4, accepted=2)
     assert acc.tried[3].tolist() == [1, 1, 1, 1, 0, 0]
     assert acc.accepted[3].tolist() == [1, 1, 0, 0, 0, 0]
-    assert acc.prob(3).tolist() == pytest.approx([2 / 3, 2 / 3, 1 / 3, 1 / 3, 1 / 2, 1 / 2])
+    # over all buckets q = [2/3, 2/3, 1/3, 1/3, 1/2, 1/2]: decay [1, 1/2, 1, 1, 1]
+    # position 1: (1 + 2 * 2/3) / 3; position 2: (0 + 2 * 7/9 * 1/2) / 3; then
+    # (0 + 2 * 7/27) / 3, and the untried positions keep the last estimate
+    assert acc.prob(3).tolist() == pytest.approx(
+        [2 / 3, 7 / 9, 7 / 27, 14 / 81, 14 / 81, 14 / 81])
+    # an untried bucket: 1/2, then the decay
+    assert acc.prob(4).tolist() == pytest.approx([1 / 2, 1 / 2, 1 / 4, 1 / 4, 1 / 4, 1 / 4])
     acc.update(3, drafted=2, accepted=0)
     acc.update(3, drafted=6, accepted=6)
     # tried [3, 3, 2, 2, 1, 1], accepted [2, 2, 1, 1, 1, 1]
-    assert acc.prob(3).tolist() == pytest.approx([3 / 5, 3 / 5, 2 / 4, 2 / 4, 2 / 3, 2 / 3])
-    # other buckets are untouched
+    assert acc.prob(3).tolist() == pytest.approx(reference_prob(acc, 3))
     for other in (0, 1, 2, 4, MAX_BUCKET):
-        assert acc.prob(other).tolist() == [0.5] * 6
+        assert acc.tried[other].sum() == 0
+        assert acc.prob(other).tolist() == pytest.approx(reference_prob(acc, other))
+        assert acc.prob(other)[0] == 0.5
     # long matches share the last bucket
     acc.update(MAX_BUCKET + 5, drafted=1, accepted=0)
-    assert acc.prob(MAX_BUCKET).tolist() == pytest.approx([1 / 3] + [0.5] * 5)
+    assert acc.prob(MAX_BUCKET)[0] == pytest.approx(1 / 3)
     assert acc.prob(10 ** 6).tolist() == acc.prob(MAX_BUCKET).tolist()
-    assert acc.prob(MAX_BUCKET - 1).tolist() == [0.5] * 6
+    assert acc.prob(MAX_BUCKET - 1)[0] == 0.5
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, MAX_BUCKET + 3), st.integers(0, 6),
+                          st.integers(0, 6)), max_size=40))
+def test_acceptance_estimates_match_the_reference(updates):
+    """Any sequence of updates: every bucket's estimates are the reference's,
+    within [0, 1], and a deeper untried position never exceeds the one before."""
+    acc = AcceptanceByMatchLength(6)
+    for match_len, drafted, accepted in updates:
+        acc.update(match_len, drafted, min(accepted, drafted))
+        for b in {0, 1, acc.bucket(match_len), MAX_BUCKET}:
+            p = acc.prob(b)
+            assert p.tolist() == pytest.approx(reference_prob(acc, b))
+            assert np.all((p >= 0) & (p <= 1))
+            for i in range(1, 6):
+                if acc.tried[b, i] == 0:
+                    assert p[i] <= p[i - 1] + 1e-12
 
 
 def test_acceptance_cut():
     acc = AcceptanceByMatchLength(6)
-    acc.update(3, drafted=4, accepted=2)  # prob [2/3, 2/3, 1/3, 1/3, 1/2, 1/2]
+    acc.update(3, drafted=4, accepted=2)  # prob [2/3, 7/9, 7/27, 14/81, 14/81, 14/81]
     assert acc.cut(3, 6, 0.4) == 2       # position 2 is the first below 0.4
     assert acc.cut(3, 2, 0.4) == 2       # nothing below within the first two
     assert acc.cut(3, 1, 0.4) == 1
-    assert acc.cut(3, 6, 0.3) == 6       # nothing below 0.3
+    assert acc.cut(3, 6, 0.15) == 6      # nothing below 0.15
     assert acc.cut(3, 6, 0.0) == 6
     assert acc.cut(3, 6, 0.7) == 0       # already the first position is below
     assert acc.cut(3, 0, 0.7) == 0
     assert acc.proposals[3] == 7         # every call counts as a proposal of its bucket
     assert acc.cut(4, 6, 0.51) == 0      # the prior (1/2) is below 0.51
-    assert acc.cut(4, 6, 0.5) == 6       # ... but not below 0.5
+    assert acc.cut(4, 6, 0.5) == 2       # ... but not below 0.5, then the decay (1/2)
     assert acc.proposals.tolist() == [0, 0, 0, 7, 2] + [0] * (MAX_BUCKET - 4)
 
 
@@ -416,8 +458,9 @@ def test_acceptance_counts_are_halved_at_the_horizon():
     acc.update(5, drafted=2, accepted=0)  # tried[5, 0] reaches the horizon
     assert acc.tried[5].tolist() == [STATS_HORIZON / 2, STATS_HORIZON / 2, 0]
     assert acc.accepted[5].tolist() == [(STATS_HORIZON - 1) / 2, 0, 0]
-    assert acc.prob(5).tolist() == pytest.approx(
-        [(STATS_HORIZON / 2 + 0.5) / (STATS_HORIZON / 2 + 2), 1 / (STATS_HORIZON / 2 + 2), 0.5])
+    p = acc.prob(5)
+    assert p[0] == pytest.approx((STATS_HORIZON / 2 + 0.5) / (STATS_HORIZON / 2 + 2))
+    assert p.tolist() == pytest.approx(reference_prob(acc, 5)) and p[1] < 1e-3
     # other buckets are not halved
     acc.update(6, drafted=1, accepted=1)
     assert acc.tried[6].tolist() == [1, 0, 0]
@@ -443,7 +486,8 @@ def test_acceptance_halving_follows_a_change_of_workload():
 
 # ------------------------------------------------- SamProposer and the table
 def test_observe_counts_the_accepted_prefix_of_the_draft():
-    prop = SamProposer(8, sam_continuation="first")  # learned cut on, fresh table
+    # never cut: what is counted does not depend on what the table learned
+    prop = SamProposer(8, sam_continuation="first", sam_min_accept_prob=0.0)
     prop.start("r", CTX)
     assert prop.propose("r", 8).tokens.tolist() == [4, 5, 1, 2, 3]  # match length 3
     prop.observe("r", [4, 5, 9])  # 4 and 5 accepted, 9 the bonus token
@@ -498,13 +542,13 @@ def test_observe_without_a_pending_draft_learns_nothing():
 
 
 def test_scores_are_the_learned_estimates():
-    prop = SamProposer(4, sam_continuation="first")
-    prop.acceptance.update(3, drafted=4, accepted=1)  # [2/3, 1/3, 1/3, 1/3]
+    prop = SamProposer(4, sam_continuation="first", sam_min_accept_prob=0.0)  # no cut
+    prop.acceptance.update(3, drafted=4, accepted=1)
     prop.start("r", CTX)
     d = prop.propose("r", 4)
-    # every estimate is >= 0.15 (the default cut): nothing is cut
     assert d.tokens.tolist() == [4, 5, 1, 2]
-    assert d.scores.tolist() == pytest.approx([2 / 3, 1 / 3, 1 / 3, 1 / 3])
+    # q = [2/3, 1/3, 1/3, 1/3], decay [1/2, 1, 1]: 2/3, (0 + 2 * 1/3) / 3, ...
+    assert d.scores.tolist() == pytest.approx([2 / 3, 2 / 9, 4 / 27, 8 / 81])
 
 
 def test_min_accept_prob_cuts_the_draft():
@@ -523,7 +567,9 @@ def test_acceptance_table_is_shared_by_requests():
     for i in range(5):  # five drafts from a match of length 3, all rejected
         rid = f"r{i}"
         prop.start(rid, CTX)
-        assert prop.propose(rid, 8).tokens.tolist() == [4, 5, 1, 2, 3]
+        d = prop.propose(rid, 8).tokens.tolist()
+        # deeper positions learnt wrong are cut first
+        assert d[:1] == [4] and d == [4, 5, 1, 2, 3][: len(d)]
         prop.observe(rid, [9])
         prop.finish(rid)
     # 1/7 < 0.15: a new request with a match of length 3 gets no draft ...
@@ -559,7 +605,9 @@ def test_learned_cut_shrinks_drafts_that_are_always_wrong(opts):
     # t such that it is below 0.15 is 5; from then on only exploration drafts
     warm = next(t for t in range(100) if 1 / (t + 2) < 0.15)
     assert warm == 5
-    assert all(n >= 2 for n in lengths[:warm])
+    # before: deeper positions are cut as they are learnt wrong (the decay
+    # over positions), yet every proposal keeps its first token
+    assert lengths[0] >= 2 and all(n >= 1 for n in lengths[:warm])
     assert lengths[warm:] == [1 if j % EXPLORE_EVERY == 0 else 0
                               for j in range(warm + 1, len(lengths) + 1)]
     assert res["drafts"] == warm + len(lengths) // EXPLORE_EVERY

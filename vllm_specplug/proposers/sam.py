@@ -67,6 +67,9 @@ MAX_BUCKET = 16
 # Every EXPLORE_EVERY-th draft of a bucket goes one token past the cut, so
 # an estimate that fell below the threshold can recover.
 EXPLORE_EVERY = 16
+# Weight (in drafts) of the prior of a position past the first: the bucket's
+# estimate one position earlier times the decay seen over all buckets.
+PRIOR_WEIGHT = 2.0
 # Acceptance counts are halved when a bucket has seen this many drafts, so the
 # estimate follows the workload.
 STATS_HORIZON = 4096
@@ -80,7 +83,15 @@ MAX_TRACKED_PROMPTS = 1 << 16
 
 class AcceptanceByMatchLength:
     """How often a draft from a match of length l was accepted through
-    position i, estimated online with a Beta(1, 1) prior."""
+    position i, estimated online.
+
+    The first position has a Beta(1, 1) prior. Position i > 0 shrinks towards
+    the bucket's own estimate at i - 1 times how much acceptance falls from
+    position i - 1 to i over all buckets (empirical Bayes, PRIOR_WEIGHT
+    drafts' weight): a deep position that was never verified is expected to
+    be accepted about as often as deep positions are elsewhere, not half the
+    time, so long drafts (``num_speculative_tokens`` 32) are not verified
+    on the strength of a guess."""
 
     def __init__(self, k: int) -> None:
         self.tried = np.zeros((MAX_BUCKET + 1, k), dtype=np.float64)
@@ -88,14 +99,30 @@ class AcceptanceByMatchLength:
         self.proposals = np.zeros(MAX_BUCKET + 1, dtype=np.int64)
         # bucket -> (estimates, their running sums) as lists; dropped by update
         self._rows: dict[int, tuple[list[float], list[float]]] = {}
+        # how acceptance falls from position i - 1 to i, over all buckets
+        self._decay: np.ndarray | None = None
 
     @staticmethod
     def bucket(match_len: int) -> int:
         return min(match_len, MAX_BUCKET)
 
+    def decay(self) -> np.ndarray:
+        """Over all buckets, acceptance at position i over that at i - 1
+        (each with a Beta(1, 1) prior; at most 1), for i = 1..k-1."""
+        if self._decay is None:
+            q = (self.accepted.sum(0) + 1.0) / (self.tried.sum(0) + 2.0)
+            self._decay = np.minimum(q[1:] / q[:-1], 1.0)
+        return self._decay
+
     def prob(self, match_len: int) -> np.ndarray:
         b = self.bucket(match_len)
-        return (self.accepted[b] + 1.0) / (self.tried[b] + 2.0)
+        tried, accepted = self.tried[b].tolist(), self.accepted[b].tolist()
+        decay = self.decay().tolist()
+        out = [(accepted[0] + 1.0) / (tried[0] + 2.0)]
+        for i in range(1, len(tried)):
+            prior = out[-1] * decay[i - 1]
+            out.append((accepted[i] + PRIOR_WEIGHT * prior) / (tried[i] + PRIOR_WEIGHT))
+        return np.asarray(out)
 
     def _row(self, match_len: int) -> tuple[list[float], list[float]]:
         b = self.bucket(match_len)
@@ -146,7 +173,8 @@ class AcceptanceByMatchLength:
 
     def update(self, match_len: int, drafted: int, accepted: int) -> None:
         b = self.bucket(match_len)
-        self._rows.pop(b, None)
+        self._rows.clear()  # every bucket's deeper estimates lean on the pooled decay
+        self._decay = None
         self.tried[b, :drafted] += 1
         self.accepted[b, :accepted] += 1
         if self.tried[b, 0] >= STATS_HORIZON:
