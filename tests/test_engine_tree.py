@@ -87,15 +87,18 @@ def test_tree_sampling_matches_plain_sampling(get_llm, plain_samples):
 
     # Draft trees from the tokens plain sampling actually produces, so that
     # both acceptance and the residual (rejection) path are exercised.
+    # The batch budget is off: it sizes drafts from measured step times, so
+    # with it on the number of drafted (and so accepted) nodes depended on the
+    # machine's load, and the acceptance floor below failed once (66 < 100).
     common = [t for t, _ in Counter(t for s in plain_samples for t in s).most_common(12)]
     llm = get_llm("random_tree_sampling",
                   {"method": "debug_random_tree", "num_speculative_tokens": 6,
-                   "random_tokens": ",".join(map(str, common))})
+                   "random_tokens": ",".join(map(str, common)), "batch_budget": "off"})
     before = llm.llm_engine.collective_rpc(drafter_stats)[0]["tree"]
     tree = first_three(llm)
     after = llm.llm_engine.collective_rpc(drafter_stats)[0]["tree"]
-    assert after["tree_steps"] - before["tree_steps"] > 0.5 * N_SAMPLES
-    assert after["tree_accepted"] - before["tree_accepted"] > 0.1 * N_SAMPLES
+    assert after["tree_steps"] - before["tree_steps"] > 0.5 * N_SAMPLES, (before, after)
+    assert after["tree_accepted"] - before["tree_accepted"] > 0.1 * N_SAMPLES, (before, after)
     assert chi2_same_distribution(plain_samples, tree) > 1e-3
 
 
