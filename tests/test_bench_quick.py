@@ -40,6 +40,8 @@ def test_bench_quick_end_to_end(model_path, tmp_path):
                     "acceptance_rate", "acceptance_per_position"):
             assert key in o, (name, key)
         assert o["tokens_per_second"] > 0
+        # engine stats on: first to last token is a part of each request's time
+        assert 0 < o["decode_seconds"] < o["seconds"] and o["decode_tokens_per_second"] > 0
         # Every method here is lossless at temperature 0.
         assert m["outputs_differing_from_plain"] == 0, (name, m["differing_prompt_ids"])
     assert methods["sam"]["overall"]["tau"] > 1.0

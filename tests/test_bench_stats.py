@@ -83,6 +83,24 @@ def test_analyse_counts_differing_outputs_and_categories():
     assert "token_ids" not in sam["per_prompt"][0]
 
 
+def test_decode_rate_leaves_out_each_requests_first_token_and_rows_without_stats():
+    from vllm_specplug.bench.run import counters_of
+
+    rows = [dict(_row(1, "a", [1] * 11, seconds=2.0), decode_seconds=0.5),
+            dict(_row(2, "a", [1] * 5, seconds=1.0), decode_seconds=0.3),
+            _row(3, "a", [1] * 4, seconds=1.0),                      # older raw result
+            dict(_row(4, "a", [1] * 4, seconds=1.0), decode_seconds=None),  # no stats
+            dict(_row(5, "a", [1], seconds=0.2), decode_seconds=0.0)]     # one token
+    c = counters_of(rows)
+    assert (c.decode_tokens, c.decode_seconds) == (10 + 4, pytest.approx(0.8))
+    assert c.decode_tokens_per_second == pytest.approx(14 / 0.8)
+    assert c.tokens_per_second == pytest.approx(25 / 5.2)
+    base = Counters(generated=25, seconds=10.0, decode_tokens=14, decode_seconds=1.6)
+    s = summary(c, base)
+    assert s["decode_speedup"] == pytest.approx(2.0)
+    assert math.isnan(Counters(generated=3, seconds=1.0).decode_tokens_per_second)
+
+
 def test_method_config_variants_and_errors():
     assert method_config("plain") is None
     assert method_config("ngram")["prompt_lookup_max"] == 5

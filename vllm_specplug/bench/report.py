@@ -36,14 +36,19 @@ def markdown(res: dict) -> str:
         lines += ["**Implausible measurements** (speedups marked `!` are above tau, which "
                   "speculation cannot reach; do not quote them, rerun on a quiet machine):", ""]
         lines += [f"* {f.message}" for f in flags] + [""]
-    lines += ["| method | tau | tokens/s | speedup | draft tok/step | accept rate | "
-              "outputs differing from plain |", "|---|---|---|---|---|---|---|"]
+    lines += ["| method | tau | tokens/s | speedup | decode tokens/s | decode speedup | "
+              "draft tok/step | accept rate | outputs differing from plain |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for m in methods:
         o = res["methods"][m]["overall"]
         lines.append(f"| {m} | {_f(o['tau'])} | {_f(o['tokens_per_second'], 1)} | "
-                     f"{_speedup(o)} | {_f(o['draft_tokens_per_step'])} | "
+                     f"{_speedup(o)} | {_f(o.get('decode_tokens_per_second'), 1)} | "
+                     f"{_f(o.get('decode_speedup'))}x | {_f(o['draft_tokens_per_step'])} | "
                      f"{_f(o['acceptance_rate'])} | "
                      f"{res['methods'][m]['outputs_differing_from_plain']} |")
+    lines += ["", "Decode tokens/s: each request's tokens after its first over the engine's "
+              "time from its first to its last token (prefill and queueing left out: "
+              "the part of the latency speculation can shorten)."]
     cats = list(next(iter(res["methods"].values()))["categories"])
     lines += ["", "Per category: tau / speedup against plain decoding", "",
               "| category | " + " | ".join(methods) + " |",

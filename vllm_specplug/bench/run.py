@@ -125,7 +125,17 @@ def run_worker(cfg: dict, log_path: Path, raw_path: Path, on_progress=None) -> d
 
 def counters_of(rows: list[dict]) -> Counters:
     return total(Counters(r["generated"], r["accepted"], r["drafts"], r["draft_tokens"],
-                          r["seconds"], list(r["accepted_per_pos"])) for r in rows)
+                          r["seconds"], list(r["accepted_per_pos"]),
+                          *_decode_part(r)) for r in rows)
+
+
+def _decode_part(row: dict) -> tuple[int, float]:
+    """(tokens after the first, seconds first to last token) of a request
+    whose engine kept stats; (0, 0) otherwise (older raw results too)."""
+    s = row.get("decode_seconds")
+    if s is None or row["generated"] < 2:
+        return 0, 0.0
+    return row["generated"] - 1, float(s)
 
 
 def run_bench(model: str, methods: list[str], prompts: list[dict], *, max_tokens: int,

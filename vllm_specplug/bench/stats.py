@@ -20,6 +20,10 @@ class Counters:
     draft_tokens: int = 0
     seconds: float = 0.0
     accepted_per_pos: list[int] = field(default_factory=list)
+    # first to last token of requests whose engine kept stats: the tokens
+    # after the first and their seconds (prefill and queueing left out)
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0
 
     def add(self, other: "Counters") -> "Counters":
         n = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
@@ -28,7 +32,9 @@ class Counters:
                for i in range(n)]
         return Counters(self.generated + other.generated, self.accepted + other.accepted,
                         self.drafts + other.drafts, self.draft_tokens + other.draft_tokens,
-                        self.seconds + other.seconds, pos)
+                        self.seconds + other.seconds, pos,
+                        self.decode_tokens + other.decode_tokens,
+                        self.decode_seconds + other.decode_seconds)
 
     @property
     def steps(self) -> int:
@@ -41,6 +47,13 @@ class Counters:
     @property
     def tokens_per_second(self) -> float:
         return self.generated / self.seconds if self.seconds > 0 else float("nan")
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Tokens after each request's first over the time from its first to
+        its last token: the rate speculation changes (NaN without stats)."""
+        return (self.decode_tokens / self.decode_seconds if self.decode_seconds > 0
+                else float("nan"))
 
     @property
     def draft_tokens_per_step(self) -> float:
@@ -75,9 +88,13 @@ def summary(c: Counters, baseline: Counters | None = None) -> dict:
     d = {"generated": c.generated, "accepted": c.accepted, "steps": c.steps,
          "drafts": c.drafts, "draft_tokens": c.draft_tokens, "seconds": round(c.seconds, 4),
          "tau": c.tau, "tokens_per_second": c.tokens_per_second,
+         "decode_seconds": round(c.decode_seconds, 4),
+         "decode_tokens_per_second": c.decode_tokens_per_second,
          "draft_tokens_per_step": c.draft_tokens_per_step,
          "acceptance_rate": c.acceptance_rate,
          "acceptance_per_position": c.acceptance_per_position()}
     if baseline is not None:
         d["speedup"] = speedup(c.tokens_per_second, baseline.tokens_per_second)
+        d["decode_speedup"] = speedup(c.decode_tokens_per_second,
+                                      baseline.decode_tokens_per_second)
     return d

@@ -40,6 +40,7 @@ def run(cfg: dict) -> dict:
                             "turn": r["turn"], "repeat": rep,
                             "token_ids": ids, "prompt_token_ids": list(out.prompt_token_ids),
                             "generated": len(ids), "seconds": dt,
+                            "decode_seconds": decode_seconds(out),
                             # runnable processes, 1-minute average (bench.plausibility)
                             "load_average": os.getloadavg()[0], **delta})
             print("@@progress", flush=True)
@@ -50,6 +51,17 @@ def run(cfg: dict) -> dict:
     drafter = read_drafter_stats(llm) if cfg["speculative_config"] is not None else None
     return {"engine_start_seconds": start_s, "results": results, "batch": batch,
             "drafter_stats": drafter}
+
+
+def decode_seconds(out) -> float | None:
+    """Engine time from the request's first to its last token (the part of
+    its latency that speculation can shorten; the rest is queueing and
+    prefill), from vLLM's per-request stats; None when the engine keeps no
+    stats (``disable_log_stats``)."""
+    m = out.metrics
+    if m is None:
+        return None
+    return max(m.last_token_ts - m.first_token_ts, 0.0)
 
 
 def normalize(p: dict) -> dict:
