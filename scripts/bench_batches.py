@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 
 from vllm_specplug.bench.run import batch_entry, environment, method_config, run_worker
+from vllm_specplug.cli import _parse_overrides
 from vllm_specplug.bench.workloads import load_workload
 from vllm_specplug.models import default_model_path
 
@@ -30,7 +31,11 @@ def main() -> None:
     ap.add_argument("--methods", default="plain,suffix,sam")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--speculative-config", action="append", default=[],
+                    metavar="METHOD=JSON",
+                    help="override a method's config (METHOD@LABEL=JSON: a variant)")
     args = ap.parse_args()
+    overrides = _parse_overrides(args.speculative_config)
     prompts = load_workload(args.workload, half=args.half, limit=args.limit)
     methods = ["plain"] + [m for m in args.methods.split(",") if m and m != "plain"]
     (args.out / "raw").mkdir(parents=True, exist_ok=True)
@@ -38,7 +43,7 @@ def main() -> None:
     model = default_model_path()
     raw = {}
     for m in methods:
-        cfg = {"method_name": m, "model": model, "speculative_config": method_config(m),
+        cfg = {"method_name": m, "model": model, "speculative_config": method_config(m, overrides),
                "prompts": prompts, "max_tokens": args.max_tokens, "temperature": 0.0,
                "repeat": 0, "batch_size": args.batch_size, "engine": {}}
         raw[m] = run_worker(cfg, log, args.out / "raw" / f"{m}.batch.json")

@@ -47,6 +47,11 @@ VLLM_ATTRIBUTES = [
     (GPU_RUNNER, "GPUModelRunner", "get_model"),
     (GPU_RUNNER, "GPUModelRunner", "use_aux_hidden_state_outputs"),
     (GPU_RUNNER, "GPUModelRunner", "kv_caches"),            # early_exit_runner.py
+    # drafter.py (max_tokens caps drafts) and tree_runtime.py (request options)
+    (GPU_RUNNER, "GPUModelRunner", "requests"),
+    ("vllm.v1.worker.gpu_input_batch", "CachedRequestState", "sampling_params"),
+    ("vllm.v1.worker.gpu_input_batch", "CachedRequestState", "num_prompt_tokens"),
+    ("vllm.sampling_params", "SamplingParams", "max_tokens"),
     ("vllm.v1.worker.gpu_input_batch", "InputBatch", "req_ids"),
     ("vllm.v1.worker.gpu_input_batch", "InputBatch", "req_id_to_index"),
     ("vllm.v1.worker.gpu_input_batch", "InputBatch", "num_tokens_no_spec"),

@@ -135,7 +135,9 @@ def test_drafter_disables_speculation_at_the_batch_size_limit(patch_calls):
 
 
 def test_drafter_cuts_weak_drafts_in_a_batch_and_tells_the_proposer(patch_calls):
-    d = _drafter({"method": "sam", "num_speculative_tokens": 4})
+    # sam_min_accept_prob 0: sam drafts whole (sized by a row's share of the
+    # step cost it would draft nothing here itself), so the batch budget cuts
+    d = _drafter({"method": "sam", "num_speculative_tokens": 4, "sam_min_accept_prob": 0.0})
     # a step costs 1, each extra token 10: no draft node can pay for itself
     d.step_cost = type(d.step_cost)(prior_a=1.0, prior_b=10.0, prior_weight=1e9)
     hists = [[1, 2, 3, 1, 2], [7, 8, 7, 8]]

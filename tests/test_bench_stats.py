@@ -105,7 +105,7 @@ def test_method_config_variants_and_errors():
     assert method_config("plain") is None
     assert method_config("ngram")["prompt_lookup_max"] == 5
     v = method_config("sam@x", {"sam@x": {"sam_min_accept_prob": 0.0}})
-    assert v == {"method": "sam", "num_speculative_tokens": 8, "sam_min_accept_prob": 0.0}
+    assert v == {"method": "sam", "num_speculative_tokens": 32, "sam_min_accept_prob": 0.0}
     with pytest.raises(BenchError, match="unknown method"):
         method_config("nope")
     with pytest.raises(BenchError, match="plain"):

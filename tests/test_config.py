@@ -29,16 +29,17 @@ SAM_KEYS = ("sam_continuation", "sam_min_match_len", "sam_min_accept_prob",
 def test_translate_defaults():
     vllm_kwargs, plugin = translate({"method": "sam"})
     assert DEFAULT_NUM_SPECULATIVE_TOKENS == 8
+    # sam's own default: a ceiling for its cost-based draft lengths
     assert vllm_kwargs == {"method": "custom_class", "model": DRAFTER_CLASS_PATH,
-                           "num_speculative_tokens": 8}
-    assert plugin == {"method": "sam", "num_speculative_tokens": 8, "options": SAM_DEFAULTS,
+                           "num_speculative_tokens": 32}
+    assert plugin == {"method": "sam", "num_speculative_tokens": 32, "options": SAM_DEFAULTS,
                       "version": vllm_specplug.__version__, **BATCH_DEFAULTS}
     assert isinstance(plugin["options"]["sam_spec_factor"], float)
 
 
 def test_translate_explicit_none_k_is_default():
     vllm_kwargs, plugin = translate({"method": "sam", "num_speculative_tokens": None})
-    assert vllm_kwargs["num_speculative_tokens"] == plugin["num_speculative_tokens"] == 8
+    assert vllm_kwargs["num_speculative_tokens"] == plugin["num_speculative_tokens"] == 32
 
 
 @pytest.mark.parametrize("k", [1, 4, 128])

@@ -43,7 +43,8 @@ def test_construction(patch_calls):
     assert stats.pop("step_cost")["samples"] == 0
     assert stats.pop("proposer")["dynamic_drafts"] == 0
     assert stats.pop("batch_budget") == {"steps": 0, "disabled_steps": 0,
-                                         "nodes_proposed": 0, "nodes_kept": 0, "nodes_explored": 0}
+                                         "nodes_proposed": 0, "nodes_kept": 0, "nodes_explored": 0,
+                                         "nodes_past_max_tokens": 0}
     assert stats.pop("propose_time") == {"calls": 0, "rows": 0, "seconds": 0.0}
     assert stats.pop("calibration") == {"ratio": 1.0, "settled": 0, "accepted": 0.0,
                                         "expected": 0.0}
@@ -440,3 +441,79 @@ def test_error_in_start_is_contained(drafter, monkeypatch):
     assert drafts == [[], [3, 4, 3, 4]]
     assert drafter.stats()["errors"] == 1
     assert drafter.stats()["active_requests"] == 1
+
+
+# ------------------------------------------------------------- max_tokens
+class _Params:
+    def __init__(self, max_tokens):
+        self.max_tokens = max_tokens
+
+
+class _State:
+    def __init__(self, prompt_len, max_tokens):
+        self.num_prompt_tokens = prompt_len
+        self.sampling_params = None if max_tokens == "pooling" else _Params(max_tokens)
+
+
+class _Runner:
+    def __init__(self, states):
+        self.requests = states
+
+
+@pytest.mark.parametrize("generated, max_tokens, want", [
+    (1, 20, 4),       # far from the end: the whole draft
+    (1, 4, 2),        # 3 tokens left: 2 drafts and the step's own token
+    (3, 4, 0),        # 1 left: the step's own token only, no draft
+    (1, None, 4),     # no limit known
+    (1, "pooling", 4)])
+def test_chain_drafts_stop_at_max_tokens(patch_calls, generated, max_tokens, want):
+    """The request's prompt is 8 tokens and ``generated`` of its tokens are
+    output; drafts reach at most max_tokens - generated - 1 positions, and
+    the proposer learns only from what is verified (``draft_cut``)."""
+    hist = [1, 2, 3, 4, 1, 2, 3, 4] + [1, 2, 3, 4][:generated]
+    d = SpecPlugDrafter(make_vllm_config())
+    d.runner = _Runner({"a": _State(8, max_tokens)})
+    cuts = []
+    orig = d.proposer.draft_cut
+    d.proposer.draft_cut = lambda req_id, kept: (cuts.append(len(kept)), orig(req_id, kept))
+    drafts = step(d, ["a"], [hist], [[hist[-1]]])
+    full = fresh_draft(hist)
+    assert len(full) == K
+    assert drafts[0] == full[:want]
+    assert cuts == ([want] if want < K else [])
+    assert d.stats()["batch_budget"]["nodes_past_max_tokens"] == K - want
+    pending = d.proposer._pending.get("a")
+    assert (pending[2] if pending else []) == full[:want]
+
+
+def test_tree_drafts_keep_the_nodes_within_max_tokens(patch_calls, monkeypatch):
+    """A tree is cut by depth, not by node count: every node at depth <= the
+    room stays (with its ancestors), every deeper one goes."""
+    monkeypatch.setattr(adapter, "install_tree_patches", lambda *a: None)
+    _, plugin = translate({"method": "debug_random_tree", "num_speculative_tokens": 8})
+    d = SpecPlugDrafter(fake_vllm_config({"specplug": plugin}, 8))
+    d.runner = _Runner({"a": _State(3, 5)})   # 2 generated below: room 5 - 2 - 1 = 2
+    d.begin_step(["a"], None)
+    num_tokens, token_ids = arrays([[1, 2, 3, 7, 9]])
+    drafts = d.propose([[9]], num_tokens, token_ids)
+    ref = type(d.proposer)(8)           # the same draft: deterministic in the context
+    ref.start("a", [1, 2, 3, 7, 9])
+    full = ref.propose("a", 8)
+    from vllm_specplug.tree import depths
+    deep = depths(full.parent_array())
+    assert deep.max() > 2            # the case is not vacuous
+    assert drafts[0] == full.tokens[deep <= 2].tolist()
+    tree = d.trees.get("a")
+    if tree is not None:
+        assert np.all(depths(tree.parents) <= 2)
+
+
+def test_proposers_size_drafts_by_a_rows_share_of_the_step(drafter):
+    """With B decoding rows the proposer trades a verified token against one
+    row's share of the step, B * b / (a + B * b), not against the whole step
+    (which would draft B times too long for the batch budget to keep)."""
+    step(drafter, ["a", "b", "c"], [[1, 2, 3], [4, 5, 6], [7, 8]], [[3], [6], []])
+    a, b = drafter.step_cost.fit()
+    assert drafter.proposer.relative_token_cost == pytest.approx(2 * b / (a + 2 * b))
+    step(drafter, ["a"], [[1, 2, 3, 9]], [[9]])
+    assert drafter.proposer.relative_token_cost == pytest.approx(b / (a + b))

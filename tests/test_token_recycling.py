@@ -243,8 +243,12 @@ def test_step_cost_model_recovers_a_linear_cost_and_ignores_stalls():
     a, b = m.fit()
     assert abs(a - 0.05) < 0.005 and abs(b - 0.004) < 0.0005
     assert abs(m.relative_token_cost(1) - 0.004 / 0.054) < 0.01
-    # more rows in the batch: one more token is relatively cheaper
+    # more rows in the batch: one more token is relatively cheaper to the step
     assert m.relative_token_cost(16) < m.relative_token_cost(1)
+    # and dearer to one row's share of it: b / ((a + 16 b) / 16)
+    assert m.row_token_cost(1) == pytest.approx(m.relative_token_cost(1))
+    assert m.row_token_cost(16) == pytest.approx(16 * b / (a + 16 * b))
+    assert m.row_token_cost(16) > m.row_token_cost(1)
 
 
 def test_step_cost_model_prior_before_measurements():

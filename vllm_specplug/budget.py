@@ -98,6 +98,17 @@ class StepCostModel:
         a, b = self.fit()
         return b / (a + b * max(batch_tokens, 1))
 
+    def row_token_cost(self, rows: int = 1) -> float:
+        """Cost of one more token relative to one row's share of a step of
+        ``rows`` decoding rows, ``b / ((a + b * rows) / rows)``: what a row's
+        own draft length trades against (its tokens per step, 1 + accepted,
+        against its share of the step's time). At one row it is
+        ``relative_token_cost(1)``; in a batch of B rows a verified token is
+        B times dearer to a row than to the whole step, which is why the
+        batch budget would cut a draft sized by the whole step's cost."""
+        rows = max(rows, 1)
+        return rows * self.relative_token_cost(rows)
+
 
 def best_node_count(values_desc: np.ndarray, relative_cost: float, max_nodes: int) -> int:
     """Nodes to verify maximising (1 + sum of best values) / (1 + cost * n)."""

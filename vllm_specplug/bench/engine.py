@@ -14,7 +14,8 @@ METHOD_CONFIGS: dict[str, dict[str, Any] | None] = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 8,
               "prompt_lookup_min": 2, "prompt_lookup_max": 5},
     "suffix": {"method": "suffix", "num_speculative_tokens": 24},
-    "sam": {"method": "sam", "num_speculative_tokens": 8},
+    # sam sizes its drafts from the verify cost; 32 is its ceiling, not its length
+    "sam": {"method": "sam", "num_speculative_tokens": 32},
     # node budget chosen per step from the measured verify cost
     "token_recycling": {"method": "token_recycling", "num_speculative_tokens": "auto"},
     "sam_tr": {"method": "sam_tr", "num_speculative_tokens": "auto"},

@@ -215,6 +215,9 @@ def _check_corpus(value: str) -> str | None:
 
 class SamProposer(Proposer):
     name: ClassVar[str] = "sam"
+    # a ceiling: each draft's length comes from the learned acceptance and the
+    # measured verify cost (short where drafts fail or tokens are dear)
+    default_num_speculative_tokens: ClassVar[int | str] = 32
     options: ClassVar[tuple[Option, ...]] = (
         Option("sam_continuation", str, "frequent",
                "how a match is continued: the most frequent next tokens, or the "

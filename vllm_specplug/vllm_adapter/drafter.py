@@ -28,6 +28,7 @@ from ..budget import (SAVE_EVERY, AcceptanceCalibration, StepCostModel,
                       subset)
 from ..config import ADDITIONAL_CONFIG_KEY, build_proposer
 from ..proposers.base import Draft
+from ..tree import depths
 from . import stats_export
 from .drafter_state import DrafterState
 from .step_state import StepTrees, bind_tree_layers
@@ -121,8 +122,9 @@ class SpecPlugDrafter(DrafterState):
         self.target_hook = None
         self.num_errors = 0
         # batch-aware budget steps and the draft nodes they proposed and kept
+        # (and draft nodes dropped because they lie past the request's max_tokens)
         self.batch_stats = {"steps": 0, "disabled_steps": 0, "nodes_proposed": 0,
-                            "nodes_kept": 0, "nodes_explored": 0}
+                            "nodes_kept": 0, "nodes_explored": 0, "nodes_past_max_tokens": 0}
         # draft nodes that may still be explored (EXPLORE_SHARE of step time)
         self._explore_nodes = 0.0
         # the drafter's own time (proposing, budgets, rank agreement): calls,
@@ -198,8 +200,9 @@ class SpecPlugDrafter(DrafterState):
         started = time.perf_counter()
         pending, self.pending_topk = self.pending_topk, {}
         self._time_step(req_ids, sampled_token_ids)
-        self.proposer.relative_token_cost = self.step_cost.relative_token_cost(
-            len(sampled_token_ids))
+        # a row's own trade-off: its tokens against its share of the step
+        self.proposer.relative_token_cost = self.step_cost.row_token_cost(
+            sum(1 for s in sampled_token_ids if s))
         proposed: list[Draft] = []
         live = set()
         for row, sampled in enumerate(sampled_token_ids):
@@ -299,7 +302,30 @@ class SpecPlugDrafter(DrafterState):
         draft = self.proposer.propose(req_id, self.k)
         if len(draft) > self.k:  # a prefix of a topological order keeps parents
             draft = subset(draft, np.arange(len(draft)) < self.k)
+        room = self._room(req_id, n)
+        if len(draft) and room < self.k:
+            deep = depths(draft.parent_array()) > room
+            if deep.any():  # ancestors are shallower: what is kept stays a tree
+                kept = subset(draft, ~deep)
+                self.proposer.draft_cut(req_id, kept)
+                self.batch_stats["nodes_past_max_tokens"] += int(deep.sum())
+                draft = kept
         return draft
+
+    def _room(self, req_id: str, n: int) -> int:
+        """The deepest draft position that can still be committed: a request
+        with ``max_tokens`` m and g tokens generated commits at most m - g
+        more, the last of them the step's own (bonus or recovered) token.
+        vLLM's scheduler caps drafts at max_model_len, not at max_tokens, so
+        without this the last step of a well-predicted request verifies (and
+        counts as accepted) tokens the output then drops."""
+        if self.runner is None:  # a drafter driven without vLLM's runner (unit tests)
+            return self.k
+        state = self.runner.requests[req_id]
+        params = state.sampling_params
+        if params is None or params.max_tokens is None:
+            return self.k
+        return max(params.max_tokens - (n - state.num_prompt_tokens) - 1, 0)
 
     def _fit_to_batch(self, drafts: list[Draft], decoding: int) -> list[Draft]:
         """Batch-aware budgets: no drafts at ``disable_by_batch_size`` decoding
