@@ -302,7 +302,11 @@ class SpecPlugDrafter(DrafterState):
         draft = self.proposer.propose(req_id, self.k)
         if len(draft) > self.k:  # a prefix of a topological order keeps parents
             draft = subset(draft, np.arange(len(draft)) < self.k)
-        room = self._room(req_id, n)
+        # Chains only for now: on trees the cut removed every depth-2
+        # acceptance of tests/test_engine_exact_distribution.py's random
+        # trees (6 generated tokens), not yet understood; trees are verified
+        # whole, as before.
+        room = self._room(req_id, n) if draft.is_chain else self.k
         if len(draft) and room < self.k:
             deep = depths(draft.parent_array()) > room
             if deep.any():  # ancestors are shallower: what is kept stays a tree
