@@ -20,23 +20,22 @@ import time
 PROMPT = "Write a long story about a lighthouse keeper."
 PADDING = ("The keeper logged the weather, trimmed the wick, wound the clockwork and "
            "wrote a letter to his sister about the ships that passed the rocks. ")
-_prompt = PROMPT
 
 
-def _request(llm, tokens: int) -> tuple[float, int]:
+def _request(llm, tokens: int, prompt: str) -> tuple[float, int]:
     from vllm import SamplingParams
 
     t = time.perf_counter()
-    out = llm.chat([[{"role": "user", "content": _prompt}]],
+    out = llm.chat([[{"role": "user", "content": prompt}]],
                    SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True),
                    use_tqdm=False)[0]
     return time.perf_counter() - t, len(out.outputs[0].token_ids)
 
 
-def one_request(llm, tokens: int) -> float:
+def one_request(llm, tokens: int, prompt: str) -> float:
     """Seconds per generated token past the first four (one step each)."""
-    long_s, long_n = _request(llm, tokens)
-    short_s, short_n = _request(llm, 4)
+    long_s, long_n = _request(llm, tokens, prompt)
+    short_s, short_n = _request(llm, 4, prompt)
     return (long_s - short_s) / (long_n - short_n)
 
 
@@ -50,10 +49,8 @@ def main() -> None:
     ap.add_argument("--shapes", default="chain,tree")
     ap.add_argument("--out", default="tree_cost.json")
     args = ap.parse_args()
-    global _prompt
-    if args.context:
-        # ~25 tokens per padding sentence with SmolLM2's tokenizer
-        _prompt = PADDING * max(args.context // 25, 1) + PROMPT
+    # ~25 tokens per padding sentence with SmolLM2's tokenizer
+    prompt = PADDING * max(args.context // 25, 1) + PROMPT if args.context else PROMPT
     from vllm_specplug.bench.engine import build_llm
     from vllm_specplug.models import default_model_path
 
@@ -64,8 +61,9 @@ def main() -> None:
                  "context": args.context}
     max_len = max(2048, args.context + args.tokens + 256)
     llm = build_llm(model, None, max_model_len=max_len)
-    _request(llm, 4)
-    res["plain_ms"] = 1000 * min(one_request(llm, args.tokens) for _ in range(args.rounds))
+    _request(llm, 4, prompt)
+    res["plain_ms"] = 1000 * min(one_request(llm, args.tokens, prompt)
+                                 for _ in range(args.rounds))
     print("plain", f"{res['plain_ms']:.1f} ms/step", flush=True)
     llm.llm_engine.engine_core.shutdown()
     for shape in shapes:
@@ -76,11 +74,11 @@ def main() -> None:
                                 "random_sizes": ",".join(f"{n},{n}" for n in sizes)},
                         max_model_len=max_len)
         for _ in sizes:  # warm-up: one measurement of each size
-            one_request(llm, 8)
+            one_request(llm, 8, prompt)
         times: dict[int, list[float]] = {n: [] for n in sizes}
         for _ in range(args.rounds):
             for n in sizes:
-                times[n].append(one_request(llm, args.tokens))
+                times[n].append(one_request(llm, args.tokens, prompt))
         for n in sizes:
             res[f"{shape}{n}_ms"] = 1000 * min(times[n])
             print(shape, n, f"{res[f'{shape}{n}_ms']:.1f} ms/step", flush=True)
