@@ -406,6 +406,26 @@ def test_acceptance_estimates_match_the_reference(updates):
                     assert p[i] <= p[i - 1] + 1e-12
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, MAX_BUCKET + 3), st.integers(0, 6), st.integers(0, 6)),
+                max_size=25),
+       st.sampled_from([0.0, 0.01, 0.054, 0.3, 0.46, 1.0, 5.0]))
+def test_best_length_is_best_node_count_of_the_monotone_prefix(updates, cost):
+    """The cached one-pass best lengths equal ``budget.best_node_count`` over
+    the non-increasing estimates cut at n, for every n, bucket and cost, after
+    any updates (the cache is dropped by each)."""
+    from vllm_specplug.budget import best_node_count
+
+    acc = AcceptanceByMatchLength(6)
+    for step, (match_len, drafted, accepted) in enumerate([(0, 0, 0)] + updates):
+        if step:
+            acc.update(match_len, drafted, min(accepted, drafted))
+        for b in {0, 1, acc.bucket(match_len), MAX_BUCKET}:
+            mono = np.minimum.accumulate(acc.prob(b))
+            for n in range(0, 9):
+                assert acc.best_length(b, n, cost) == best_node_count(mono[:n], cost, n)
+
+
 def test_acceptance_cut():
     acc = AcceptanceByMatchLength(6)
     acc.update(3, drafted=4, accepted=2)  # prob [2/3, 7/9, 7/27, 14/81, 14/81, 14/81]

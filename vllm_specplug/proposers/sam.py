@@ -99,6 +99,9 @@ class AcceptanceByMatchLength:
         self.proposals = np.zeros(MAX_BUCKET + 1, dtype=np.int64)
         # bucket -> (estimates, their running sums) as lists; dropped by update
         self._rows: dict[int, tuple[list[float], list[float]]] = {}
+        # (bucket, relative cost) -> best length for each ceiling n (index n);
+        # dropped by update
+        self._best: dict[tuple[int, float], list[int]] = {}
         # how acceptance falls from position i - 1 to i, over all buckets
         self._decay: np.ndarray | None = None
 
@@ -149,8 +152,28 @@ class AcceptanceByMatchLength:
         verify cost, (1 + sum of the estimates) / (1 + relative_cost * length)
         (the estimates made non-increasing: a later position cannot be
         accepted more often than an earlier one); no side effect."""
-        p = np.minimum.accumulate(np.asarray(self._row(match_len)[0][:n]))
-        return best_node_count(p, relative_cost, n)
+        key = (self.bucket(match_len), relative_cost)
+        best = self._best.get(key)
+        if best is None:
+            best = self._best[key] = self._best_lengths(self._row(match_len)[0], relative_cost)
+        return best[min(n, len(best) - 1)] if n > 0 else 0
+
+    @staticmethod
+    def _best_lengths(p: list[float], relative_cost: float) -> list[int]:
+        """For every ceiling n (index n, 0..len(p)): the length m <= n that
+        maximises (1 + the first m non-increasing estimates' sum) /
+        (1 + relative_cost * m), the shortest of equals: ``best_node_count``
+        of every prefix in one pass (it runs once per bucket and update)."""
+        out = [0]
+        best_m, best_rate, gain, low = 0, 1.0, 1.0, 1.0
+        for m, q in enumerate(p, start=1):
+            low = min(low, q)
+            gain += low
+            rate = gain / (1.0 + relative_cost * m)
+            if rate > best_rate:
+                best_m, best_rate = m, rate
+            out.append(best_m)
+        return out
 
     def length(self, match_len: int, n: int, min_prob: float | None,
                relative_cost: float) -> int:
@@ -174,6 +197,7 @@ class AcceptanceByMatchLength:
     def update(self, match_len: int, drafted: int, accepted: int) -> None:
         b = self.bucket(match_len)
         self._rows.clear()  # every bucket's deeper estimates lean on the pooled decay
+        self._best.clear()
         self._decay = None
         self.tried[b, :drafted] += 1
         self.accepted[b, :accepted] += 1
@@ -442,6 +466,18 @@ class SamProposer(Proposer):
         n = table.length(length, n, self.min_accept_prob, self.relative_token_cost)
         return table.expected(length, n), table._row(length)[0][0]
 
+    def _needed(self, source: str, length: int, budget: int) -> int:
+        """Tokens worth fetching for a ``budget`` draft: the length the cut
+        will keep plus one (the cut's exploration step). The cut of a draft of
+        n >= that many tokens is the same as of the full budget's, since the
+        best length up to n is the best up to ``budget`` once n reaches it;
+        so the walk stops there instead of at ``budget``."""
+        if self.min_accept_prob == 0:   # 0: never cut
+            return budget
+        table = self._table(source)
+        return min(budget, table.length(length, budget, self.min_accept_prob,
+                                        self.relative_token_cost) + 1)
+
     def _choose(self, req_id: str, budget: int) -> tuple[str, int, list[int]]:
         """(source, match length, tokens) of this step's draft before the cut:
         the source with the highest ``_value``. A source whose value with a
@@ -468,7 +504,8 @@ class SamProposer(Proposer):
                 length, where = self._match(req_id, source)
                 if length < self.min_match_len or self._value(source, length, budget) <= score:
                     continue
-                tokens = self._draft_tokens(req_id, source, length, where, budget)
+                tokens = self._draft_tokens(req_id, source, length, where,
+                                            self._needed(source, length, budget))
                 value = self._value(source, length, len(tokens))
                 if value > score:
                     score, best = value, (source, length, tokens)
@@ -495,7 +532,7 @@ class SamProposer(Proposer):
         self._pending[req_id] = (source, match_len, tokens)
         self.stats[f"{source}_drafts"] += 1
         self.stats[f"{source}_tokens"] += len(tokens)
-        return Draft.chain(tokens, table.prob(match_len)[: len(tokens)])
+        return Draft.chain(tokens, np.asarray(table._row(match_len)[0][: len(tokens)]))
 
     def draft_cut(self, req_id: str, kept: Draft) -> None:
         pending = self._pending.get(req_id)
