@@ -126,12 +126,20 @@ def test_drafter_disables_speculation_at_the_batch_size_limit(patch_calls):
                   "sam_min_accept_prob": 0.0})
     hists = [[1, 2, 3, 1, 2], [7, 8, 7, 8], [5, 6, 5, 6]]
     assert all(step(d, ["a", "b"], hists[:2], [[2], [8]]))
+    before = d.stats()["batch_budget"]["nodes_proposed"]
     drafts = step(d, ["a", "b", "c"], [h + [s] for h, s in zip(hists, [3, 7, 5])],
                   [[3], [7], [5]])
     assert drafts == [[], [], []]
     assert d.stats()["batch_budget"]["disabled_steps"] == 1
-    # SAM forgot the dropped drafts: nothing is counted as tried for them
+    # nothing was proposed at the limit, so nothing is counted as tried
     assert not d.proposer._pending
+    assert d.stats()["batch_budget"]["nodes_proposed"] == before
+    # ... but the proposer followed the committed tokens: with "c" gone, "a"
+    # drafts from its automaton, which holds the disabled step's token 3
+    hists = [h + [s] for h, s in zip(hists, [3, 7, 5])]
+    drafts = step(d, ["a", "b"], [hists[0] + [1], hists[1] + [8]], [[1], [8]])
+    assert d.proposer._automata["a"].tokens.tolist() == hists[0] + [1]
+    assert drafts[0][:3] == [2, 3, 1]
 
 
 def test_drafter_cuts_weak_drafts_in_a_batch_and_tells_the_proposer(patch_calls):

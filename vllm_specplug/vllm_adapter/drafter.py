@@ -202,6 +202,12 @@ class SpecPlugDrafter(DrafterState):
         decoding = sum(1 for s in sampled_token_ids if s)
         # a row's own trade-off: its tokens against its share of the step
         self.proposer.relative_token_cost = self.step_cost.row_token_cost(decoding)
+        # at disable_by_batch_size decoding rows or more nothing is drafted:
+        # proposers only follow their requests' tokens this step
+        limit = self.plugin.get("disable_by_batch_size")
+        disabled = limit is not None and decoding >= limit
+        if disabled:
+            self.batch_stats["disabled_steps"] += 1
         proposed: list[Draft] = []
         live = set()
         for row, sampled in enumerate(sampled_token_ids):
@@ -212,7 +218,8 @@ class SpecPlugDrafter(DrafterState):
                 continue
             try:
                 proposed.append(self._propose_row(req_id, row, int(num_tokens_no_spec[row]),
-                                                  token_ids_cpu, pending.get(req_id)))
+                                                  token_ids_cpu, pending.get(req_id),
+                                                  draft=not disabled))
             except Exception:  # noqa: BLE001 - one request's failure stays its own
                 self.num_errors += 1
                 logger.exception("vllm_specplug: %s proposer failed for request %s; "
@@ -282,7 +289,9 @@ class SpecPlugDrafter(DrafterState):
         self._last_step = (key, 0, now) if decoding else None
 
     def _propose_row(self, req_id: str, row: int, n: int, token_ids_cpu,
-                     topk=None) -> list[int]:
+                     topk=None, draft: bool = True) -> Draft:
+        """The proposer follows the row's newly committed tokens (or starts
+        the request), then drafts (when ``draft``), within max_tokens."""
         seen = self._seen.get(req_id)
         if (seen is not None and seen[0] <= n
                 and int(token_ids_cpu[row, seen[0] - 1]) == seen[1]):
@@ -298,6 +307,8 @@ class SpecPlugDrafter(DrafterState):
             if topk is not None:
                 self.proposer.observe(req_id, [], topk)
         self._seen[req_id] = (n, int(token_ids_cpu[row, n - 1]))
+        if not draft:
+            return Draft.empty()
         draft = self.proposer.propose(req_id, self.k)
         if len(draft) > self.k:  # a prefix of a topological order keeps parents
             draft = subset(draft, np.arange(len(draft)) < self.k)
@@ -329,23 +340,14 @@ class SpecPlugDrafter(DrafterState):
         return max(params.max_tokens - (n - state.num_prompt_tokens) - 1, 0)
 
     def _fit_to_batch(self, drafts: list[Draft], decoding: int) -> list[Draft]:
-        """Batch-aware budgets: no drafts at ``disable_by_batch_size`` decoding
-        requests or more; with ``batch_budget`` "auto" and two or more
+        """Batch-aware budgets (``disable_by_batch_size`` is applied before
+        proposing, in ``propose``): with ``batch_budget`` "auto" and two or more
         decoding requests, the batch's nodes are shared out by expected
         tokens per second (``budget.allocate_batch``)."""
-        limit = self.plugin.get("disable_by_batch_size")
         proposed = sum(len(d) for d in drafts)
-        if not proposed:
+        if not proposed:   # nothing drafted (disable_by_batch_size: see propose)
             return drafts
         stats = self.batch_stats
-        if limit is not None and decoding >= limit:
-            stats["disabled_steps"] += 1
-            stats["nodes_proposed"] += proposed
-            out = [Draft.empty() for _ in drafts]
-            for row, before in enumerate(drafts):
-                if len(before):
-                    self.proposer.draft_cut(self._step_req_ids[row], out[row])
-            return out
         if self.plugin.get("batch_budget", "auto") != "auto" or decoding < 2:
             return drafts
         a, b = self.step_cost.fit()
