@@ -111,7 +111,7 @@ def plain_samples(get_llm):
     every sampling-distribution test of the session."""
     from helpers import first_three
 
-    return first_three(get_llm("plain"))
+    return first_three(get_llm("plain"), max_tokens=3)  # see first_three
 
 
 @pytest.fixture

@@ -167,12 +167,17 @@ N_SAMPLES = 2000 if RUN_SLOW else 1000
 SAMPLING_PROMPT = "Name a colour:"
 
 
-def first_three(llm, n: int = N_SAMPLES):
+def first_three(llm, n: int = N_SAMPLES, max_tokens: int = 6):
     """``n`` samples of the first three tokens after ``SAMPLING_PROMPT``
-    (temperature 0.8, top_k 6)."""
+    (temperature 0.8, top_k 6), from generations of ``max_tokens`` tokens.
+    Drafts stop at max_tokens, so with max_tokens 3 a draft could reach
+    only the second token (one deep, in the one step that drafts); with 6
+    the steps after the first token verify up to four deep, and what they
+    accept decides the compared second and third tokens. Plain sampling's
+    first three tokens do not depend on max_tokens."""
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=0.8, top_k=6, max_tokens=3)
+    params = SamplingParams(temperature=0.8, top_k=6, max_tokens=max_tokens)
     # top_k matters: vLLM 0.32's rejection sampler dies on steps where no
     # request has a draft and some request uses top_k (apply_top_k_only on an
     # empty tensor); our _sample patch samples those steps with the plain
@@ -180,7 +185,7 @@ def first_three(llm, n: int = N_SAMPLES):
     out = []
     for _ in range(n // 200):
         outs = llm.generate([SAMPLING_PROMPT] * 200, params, use_tqdm=False)
-        out += [tuple(o.outputs[0].token_ids) for o in outs]
+        out += [tuple(o.outputs[0].token_ids)[:3] for o in outs]
     return out
 
 

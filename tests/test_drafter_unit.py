@@ -486,19 +486,41 @@ def test_chain_drafts_stop_at_max_tokens(patch_calls, generated, max_tokens, wan
     assert (pending[2] if pending else []) == full[:want]
 
 
-def test_tree_drafts_are_not_cut_at_max_tokens_yet(patch_calls, monkeypatch):
-    """Trees are verified whole for now (see ``_propose_row``)."""
+def test_tree_drafts_stop_at_max_tokens_by_depth(patch_calls, monkeypatch):
+    """A tree keeps its nodes at depth <= max_tokens - generated - 1 (their
+    ancestors with them), parents renumbered; the proposer hears of the cut."""
+    from vllm_specplug.tree import depths
+
     monkeypatch.setattr(adapter, "install_tree_patches", lambda *a: None)
     _, plugin = translate({"method": "debug_random_tree", "num_speculative_tokens": 8})
     d = SpecPlugDrafter(fake_vllm_config({"specplug": plugin}, 8))
     d.runner = _Runner({"a": _State(3, 5)})   # 2 generated below: room 5 - 2 - 1 = 2
+    cuts = []
+    d.proposer.draft_cut = lambda req_id, kept: cuts.append(kept)
     d.begin_step(["a"], None)
     num_tokens, token_ids = arrays([[1, 2, 3, 7, 9]])
     drafts = d.propose([[9]], num_tokens, token_ids)
     ref = type(d.proposer)(8)           # the same draft: deterministic in the context
     ref.start("a", [1, 2, 3, 7, 9])
     full = ref.propose("a", 8)
-    assert not full.is_chain and drafts[0] == full.tokens.tolist()
+    deep = depths(full.parent_array())
+    assert not full.is_chain and deep.max() > 2   # the test needs a tree to cut
+    want = full.tokens[deep <= 2].tolist()
+    assert drafts[0] == want and len(cuts) == 1 and cuts[0].tokens.tolist() == want
+    kept = d.trees["a"]
+    # the kept nodes' paths from the root are the full tree's
+    paths = lambda t, parents: [tuple(_path(t, parents, i)) for i in range(len(t))]
+    assert paths(kept.tokens, kept.parent_array()) == [
+        p for p, dd in zip(paths(full.tokens, full.parent_array()), deep) if dd <= 2]
+    assert d.stats()["batch_budget"]["nodes_past_max_tokens"] == int((deep > 2).sum())
+
+
+def _path(tokens, parents, i):
+    out = []
+    while i >= 0:
+        out.append(int(tokens[i]))
+        i = int(parents[i])
+    return out[::-1]
 
 
 def test_proposers_size_drafts_by_a_rows_share_of_the_step(drafter):

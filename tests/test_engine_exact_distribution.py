@@ -283,7 +283,13 @@ def test_plain_sampling_matches_the_exact_distribution(get_llm, tiny_model, exac
 # context's length and last token, so a chain drawn from 3 tokens accepted
 # little: 3% of steps, as an offline run of the proposer against the exact
 # probabilities predicts; with 1 token it is 24%, 6% at depth >= 2).
-TREE = {"method": "debug_random_tree", "num_speculative_tokens": 6}
+# The random trees' shapes are a function of the context (seeded), so the
+# seed decides which contexts have a branch that can be accepted two deep.
+# Seed 0's trees allowed that only 4 tokens in (371 steps): the step may then
+# commit 2 tokens of GEN, so since drafts stop at max_tokens those trees are
+# cut and nothing two deep was accepted. Seed 2: [1993, 1070, 350, 43]
+# accepted at positions 1-4 in one run, within max_tokens.
+TREE = {"method": "debug_random_tree", "num_speculative_tokens": 6, "random_seed": 2}
 CHAIN = {"method": "debug_random_tree", "num_speculative_tokens": 4, "random_shape": "chain"}
 
 

@@ -65,6 +65,8 @@ class OracleTreeProposer(_ContextTracking):
         self.width = oracle_width
         self.rng = np.random.default_rng(oracle_seed)
         self._pending: dict[str, int] = {}
+        # req_id -> the true tokens hidden in the last tree (its depth's worth)
+        self._truth_drafted: dict[str, list[int]] = {}
         self.stats = {"steps": 0, "hidden_depth_total": 0, "accepted_total": 0,
                       "mismatched_steps": 0}
 
@@ -108,7 +110,24 @@ class OracleTreeProposer(_ContextTracking):
                 true_node = new_true
             prev_level = nodes
         self._pending[req_id] = depth
+        self._truth_drafted[req_id] = truth[:depth]
         return Draft(np.array(tokens), np.array(parents))
+
+    def draft_cut(self, req_id: str, kept: Draft) -> None:
+        """The hidden depth becomes the longest prefix of the true path left
+        in ``kept`` (no wrong sibling of a true node carries the true token)."""
+        truth = self._truth_drafted.get(req_id)
+        if truth is None or req_id not in self._pending:
+            return
+        parents, tokens = kept.parent_array(), kept.tokens.tolist()
+        node, depth = -1, 0
+        while depth < len(truth):
+            nxt = [i for i in range(len(tokens))
+                   if parents[i] == node and tokens[i] == truth[depth]]
+            if not nxt:
+                break
+            node, depth = nxt[0], depth + 1
+        self._pending[req_id] = depth
 
     def observe(self, req_id: str, committed_ids: Sequence[int],
                 target_topk: TargetTopK | None = None) -> None:
@@ -123,6 +142,7 @@ class OracleTreeProposer(_ContextTracking):
 
     def finish(self, req_id: str) -> None:
         self._pending.pop(req_id, None)
+        self._truth_drafted.pop(req_id, None)
         super().finish(req_id)
 
     def debug_stats(self) -> dict:

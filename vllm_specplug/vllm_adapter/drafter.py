@@ -28,6 +28,7 @@ from ..budget import (SAVE_EVERY, AcceptanceCalibration, StepCostModel,
                       subset)
 from ..config import ADDITIONAL_CONFIG_KEY, build_proposer
 from ..proposers.base import Draft
+from ..tree import depths
 from . import stats_export
 from .drafter_state import DrafterState
 from .step_state import StepTrees, bind_tree_layers
@@ -312,16 +313,18 @@ class SpecPlugDrafter(DrafterState):
         draft = self.proposer.propose(req_id, self.k)
         if len(draft) > self.k:  # a prefix of a topological order keeps parents
             draft = subset(draft, np.arange(len(draft)) < self.k)
-        # Chains only for now: cut by depth, trees lost every depth-2
-        # acceptance of tests/test_engine_exact_distribution.py's random trees
-        # (6 generated tokens), not yet understood; trees are verified whole.
-        if len(draft) and draft.is_chain:
+        if len(draft):
             room = self._room(req_id, n)
-            if len(draft) > room:
-                kept = subset(draft, np.arange(len(draft)) < room)
-                self.proposer.draft_cut(req_id, kept)
-                self.batch_stats["nodes_past_max_tokens"] += len(draft) - room
-                draft = kept
+            if room < self.k:
+                # a chain keeps its first ``room`` tokens, a tree its nodes at
+                # depth <= room (ancestors are shallower: it stays a tree)
+                keep = (np.arange(len(draft)) < room if draft.is_chain
+                        else depths(draft.parent_array()) <= room)
+                if not keep.all():
+                    kept = subset(draft, keep)
+                    self.proposer.draft_cut(req_id, kept)
+                    self.batch_stats["nodes_past_max_tokens"] += len(draft) - len(kept)
+                    draft = kept
         return draft
 
     def _room(self, req_id: str, n: int) -> int:
