@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from vllm_specplug.bench import curves as C
 from vllm_specplug.bench.simulate import replay, replay_many
+from vllm_specplug.proposers.base import Draft
 
 
 def _vllm_ngram_function():
@@ -212,3 +213,41 @@ def test_curve_hands_the_relative_token_cost_to_the_proposer():
     assert seen[1].relative_token_cost == type(seen[1]).relative_token_cost
     line = C.CostLine(3.0, 1.0)
     assert line.relative_token_cost == 0.25
+
+
+class _Truth(C.NgramBaseline):
+    """Drafts the true continuation of ``outputs[req_id]`` (for the oracle test)."""
+
+    def __init__(self, outputs: dict, k: int) -> None:
+        super().__init__(k)
+        self.outputs, self.k_true = outputs, k
+
+    def start(self, req_id, token_ids):
+        super().start(req_id, token_ids)
+        self.base = len(token_ids) - 1   # the prompt's length: the first output is in
+
+    def propose(self, req_id, budget):
+        done = len(self._tokens[req_id]) - self.base
+        return Draft.chain(self.outputs[req_id][done:done + min(budget, self.k_true)])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(0, 3), min_size=1, max_size=12),
+                          st.lists(st.integers(0, 3), min_size=1, max_size=30)),
+                min_size=1, max_size=3), st.integers(1, 6))
+def test_oracle_replay_bounds(requests, k):
+    """One source: the oracle is that source's replay (its accepted tokens
+    are what it verifies). With a source drafting the truth it reaches the
+    most a k-token budget allows, k + 1 tokens a step, whatever else is
+    offered; it never verifies a rejected node."""
+    single = C.oracle_replay({"ngram": C.NgramBaseline(k)}, requests, k)
+    plain = replay_many(C.NgramBaseline(k), requests, k)
+    assert single["steps"] == plain["steps"]
+    assert single["nodes_per_step"] * single["steps"] == pytest.approx(plain["accepted"])
+    outputs = {f"r{i}": list(r[1]) for i, r in enumerate(requests)}
+    both = C.oracle_replay({"ngram": C.NgramBaseline(k), "truth": _Truth(outputs, k)},
+                           requests, k)
+    assert both["steps"] == sum(1 + -(-(len(o) - 1) // (k + 1)) for _, o in requests)
+    gen = sum(len(o) for _, o in requests)
+    assert both["nodes_per_step"] * both["steps"] == pytest.approx(gen - both["steps"])
+    assert both["steps"] <= single["steps"]

@@ -229,6 +229,52 @@ def curve(method: str, rows: Sequence[dict], budgets: Sequence[int] = BUDGETS,
     return out
 
 
+def oracle_replay(sources: dict[str, Proposer], requests: Sequence[tuple],
+                  budget: int) -> dict:
+    """An upper bound for choosing, each step, among ``sources``' drafts and
+    for sizing the draft: greedy replay (as ``replay_many``: batch size 1,
+    in order, one proposer per source for all requests) where each step
+    keeps the candidate draft accepted deepest and verifies exactly its
+    accepted tokens (no rejected node is ever verified). Every source
+    observes every committed token. Returns tau, ``nodes_per_step`` (the
+    verified draft nodes: the accepted ones) and how many steps each
+    source's draft was the one kept (``wins``; a step where none was
+    accepted counts for none)."""
+    from .simulate import accepted_length
+
+    gen = steps = nodes = 0
+    wins = {name: 0 for name in sources}
+    for i, request in enumerate(requests):
+        prompt, out = list(request[0]), list(request[1])
+        if not out:
+            continue
+        rid = f"r{i}"
+        for p in sources.values():
+            p.start(rid, prompt + out[:1])   # the prefill step made out[0]
+        pos, n_steps = 1, 1
+        while pos < len(out):
+            best, who = 0, None
+            for name, p in sources.items():
+                a = accepted_length(p.propose(rid, budget), out, pos)
+                if a > best:
+                    best, who = a, name
+            if who is not None:
+                wins[who] += 1
+            n = min(best + 1, len(out) - pos)
+            for p in sources.values():
+                p.observe(rid, out[pos:pos + n])
+            nodes += n - 1
+            pos += n
+            n_steps += 1
+        for p in sources.values():
+            p.complete(rid)
+            p.finish(rid)
+        gen += len(out)
+        steps += n_steps
+    return {"generated": gen, "steps": steps, "tau": gen / steps if steps else 1.0,
+            "nodes_per_step": nodes / steps if steps else 0.0, "wins": wins}
+
+
 # ------------------------------------------------------------------ cost lines
 
 @dataclass(frozen=True)

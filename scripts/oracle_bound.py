@@ -1,0 +1,107 @@
+"""An upper bound for drafting by copying: the best of several sources, cut at
+exactly the accepted length, every step (issue 20's targets, checked for
+feasibility).
+
+    python scripts/oracle_bound.py [--workloads spec_bench,pipeline,agentic] [--half odd]
+
+Issue 20 asks ``sam`` to pick, each step, between its sources (the request's
+own automaton, the global store, the static corpus) by expected acceptance
+and to size the draft from the same estimates. No such choice can do better
+than an oracle that knows the true continuation: it looks at every
+candidate draft of the step (``sam`` with its global store, drafting as long
+as it can with no cost cut; vLLM's ``suffix`` at its default; vLLM's
+``ngram``), keeps the one accepted deepest and verifies exactly its accepted
+tokens (no rejected token is ever verified). Its expected speedup on a cost
+line (``a + b * tokens`` a step) bounds what source selection plus draft
+sizing can reach with these sources. Compared with the replayed ``suffix``
+(vLLM's default, 24 tokens) on the same line, it says whether a target of
+"``sam`` >= X times ``suffix``" is reachable at all by that design.
+
+Replay as ``bench/simulate.py`` (greedy, batch size 1, the records of
+``scripts/acceptance_curves.py``, one proposer per source for the whole half
+in file order); every source observes every committed token, whichever
+source's draft was kept. Writes ``results/curves/oracle_bound.json`` and
+prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+from acceptance_curves import RECORDS  # noqa: E402
+from vllm_specplug.bench import curves as C  # noqa: E402
+from vllm_specplug.bench.simulate import replay_many  # noqa: E402
+
+#: this machine kind's measured b / a (sessions 13-14, docs/architecture.md:
+#: 0.054-0.057 from 40 to 1,500 tokens of context)
+CPU_NOW_B_OVER_A = 0.055
+
+
+def sources(n_sam: int = 64):
+    sam = C._sam(n_sam, sam_spec_factor=1e9)
+    sam.relative_token_cost = 0.0      # no cost cut: as long as it can
+    return {"sam_global": sam, "suffix": C.SuffixBaseline(24), "ngram": C.NgramBaseline(8)}
+
+
+def oracle(rows, n_sam: int = 64) -> dict:
+    return C.oracle_replay(sources(n_sam), C.requests_of(rows), 64)
+
+
+def method(rows, name: str, n: int, rel_cost: float | None) -> dict:
+    p = C.METHODS[name][0](n)
+    if rel_cost is not None:
+        p.relative_token_cost = rel_cost
+    res = replay_many(p, C.requests_of(rows), n)
+    return {"tau": res["tau"], "nodes_per_step": res["draft_tokens"] / res["steps"]}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--workloads", default="spec_bench,pipeline,agentic")
+    ap.add_argument("--half", default="odd", choices=("odd", "even"))
+    ap.add_argument("--out", default=str(REPO / "results" / "curves" / "oracle_bound.json"))
+    args = ap.parse_args(argv)
+    lines = [C.cpu_cost_line(), C.CostLine(1.0, CPU_NOW_B_OVER_A, "cpu_now",
+                                           "sessions 13-14 machine, b/a measured"),
+             C.gpu_like_cost_line()]
+    report = {"half": args.half, "lines": {ln.name: ln.as_dict() for ln in lines},
+              "workloads": {}}
+    for w in args.workloads.split(","):
+        recs, _ = RECORDS[w]
+        rows = C.load_records(recs, None, half=args.half)
+        res = {"requests": len(rows), "oracle": oracle(rows),
+               "suffix": method(rows, "suffix", 24, None)}
+        for ln in lines:
+            rel = ln.relative_token_cost
+            res[f"sam_global@{ln.name}"] = method(rows, "sam_global", 32, rel)
+        for ln in lines:
+            o = res["oracle"]
+            s = res["suffix"]
+            g = res[f"sam_global@{ln.name}"]
+            so = ln.speedup(o["tau"], o["nodes_per_step"])
+            ss = ln.speedup(s["tau"], s["nodes_per_step"])
+            sg = ln.speedup(g["tau"], g["nodes_per_step"])
+            res[f"speedup@{ln.name}"] = {"oracle": so, "suffix": ss, "sam_global": sg,
+                                         "oracle_over_suffix": so / ss,
+                                         "sam_over_suffix": sg / ss}
+        report["workloads"][w] = res
+        print(f"\n{w}: {len(rows)} requests; oracle tau {res['oracle']['tau']:.3f} "
+              f"({res['oracle']['nodes_per_step']:.2f} nodes a step), wins "
+              f"{res['oracle']['wins']}")
+        for ln in lines:
+            s = res[f"speedup@{ln.name}"]
+            print(f"  {ln.name:9s} (b/a {ln.b / ln.a:.4f}): oracle {s['oracle']:.3f}x, "
+                  f"suffix {s['suffix']:.3f}x, sam {s['sam_global']:.3f}x; "
+                  f"oracle / suffix {s['oracle_over_suffix']:.3f}, "
+                  f"sam / suffix {s['sam_over_suffix']:.3f}")
+    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
