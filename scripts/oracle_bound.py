@@ -3,6 +3,13 @@ exactly the accepted length, every step (issue 20's targets, checked for
 feasibility).
 
     python scripts/oracle_bound.py [--workloads spec_bench,pipeline,agentic] [--half odd]
+    python scripts/oracle_bound.py --engine-outputs RUN/raw/plain.json --out FILE
+
+``--engine-outputs``: instead of the Hugging Face records, plain decoding's
+outputs of a ``specplug bench`` run on Spec-Bench (its ``raw/plain.json``:
+token ids per prompt id), with the prompts rebuilt from the vendored
+Spec-Bench file and the model's chat template; ``--per-category`` and
+``--half`` must be the run's.
 
 Issue 20 asks ``sam`` to pick, each step, between its sources (the request's
 own automaton, the global store, the static corpus) by expected acceptance
@@ -61,10 +68,36 @@ def method(rows, name: str, n: int, rel_cost: float | None) -> dict:
     return {"tau": res["tau"], "nodes_per_step": res["draft_tokens"] / res["steps"]}
 
 
+def engine_rows(path: str, per_category: int, half: str) -> list[dict]:
+    """Records of a bench run's plain outputs (see the module doc)."""
+    from transformers import AutoTokenizer
+
+    from vllm_specplug.bench.prompts import load_prompts
+    from vllm_specplug.models import default_model_path
+
+    tok = AutoTokenizer.from_pretrained(default_model_path())
+    prompts = {str(p["id"]): p for p in load_prompts(per_category=per_category, half=half)}
+    rows = []
+    for r in json.loads(Path(path).read_text())["results"]:
+        p = prompts.get(str(r["id"]))
+        if p is None:
+            raise SystemExit(f"{path}: prompt id {r['id']} is not in Spec-Bench's {half} half "
+                             f"at {per_category} a category; pass the run's --per-category")
+        ids = tok.apply_chat_template([{"role": "user", "content": p["prompt"]}],
+                                      add_generation_prompt=True, tokenize=True)
+        if not isinstance(ids, list):
+            ids = ids["input_ids"]
+        rows.append({"prompt_ids": list(ids), "output_ids": list(r["token_ids"]),
+                     "category": p["category"], "pos": 1})
+    return rows
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workloads", default="spec_bench,pipeline,agentic")
     ap.add_argument("--half", default="odd", choices=("odd", "even"))
+    ap.add_argument("--engine-outputs", default="", help="a bench run's raw/plain.json")
+    ap.add_argument("--per-category", type=int, default=3)
     ap.add_argument("--out", default=str(REPO / "results" / "curves" / "oracle_bound.json"))
     args = ap.parse_args(argv)
     lines = [C.cpu_cost_line(), C.CostLine(1.0, CPU_NOW_B_OVER_A, "cpu_now",
@@ -72,9 +105,13 @@ def main(argv=None) -> None:
              C.gpu_like_cost_line()]
     report = {"half": args.half, "lines": {ln.name: ln.as_dict() for ln in lines},
               "workloads": {}}
-    for w in args.workloads.split(","):
-        recs, _ = RECORDS[w]
-        rows = C.load_records(recs, None, half=args.half)
+    workloads = ["engine_outputs"] if args.engine_outputs else args.workloads.split(",")
+    for w in workloads:
+        if args.engine_outputs:
+            rows = engine_rows(args.engine_outputs, args.per_category, args.half)
+            report["source"] = args.engine_outputs
+        else:
+            rows = C.load_records(RECORDS[w][0], None, half=args.half)
         res = {"requests": len(rows), "oracle": oracle(rows),
                "suffix": method(rows, "suffix", 24, None)}
         for ln in lines:
