@@ -43,36 +43,35 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from acceptance_curves import RECORDS  # noqa: E402
 from vllm_specplug.bench import curves as C  # noqa: E402
-from vllm_specplug.bench.simulate import replay_many  # noqa: E402
 
 #: this machine kind's measured b / a (sessions 13-14, docs/architecture.md:
 #: 0.054-0.057 from 40 to 1,500 tokens of context)
 CPU_NOW_B_OVER_A = 0.055
 
 
-def sources(n_sam: int = 64):
-    sam = C._sam(n_sam, sam_spec_factor=1e9)
+#: the oracle's budget: sam drafts up to this many tokens
+ORACLE_BUDGET = 64
+
+
+def oracle(rows) -> dict:
+    sam = C._sam(ORACLE_BUDGET, sam_spec_factor=1e9)
     sam.relative_token_cost = 0.0      # no cost cut: as long as it can
-    return {"sam_global": sam, "suffix": C.SuffixBaseline(24), "ngram": C.NgramBaseline(8)}
-
-
-def oracle(rows, n_sam: int = 64) -> dict:
-    return C.oracle_replay(sources(n_sam), C.requests_of(rows), 64)
+    sources = {"sam_global": sam, "suffix": C.SuffixBaseline(24), "ngram": C.NgramBaseline(8)}
+    return C.oracle_replay(sources, C.requests_of(rows), ORACLE_BUDGET)
 
 
 def method(rows, name: str, n: int, rel_cost: float | None) -> dict:
-    p = C.METHODS[name][0](n)
-    if rel_cost is not None:
-        p.relative_token_cost = rel_cost
-    res = replay_many(p, C.requests_of(rows), n)
-    return {"tau": res["tau"], "nodes_per_step": res["draft_tokens"] / res["steps"]}
+    """``bench.curves.curve`` of one method at budget n."""
+    return C.curve(name, rows, (n,), relative_token_cost=rel_cost)[0]
 
 
 def engine_rows(path: str, per_category: int, half: str) -> list[dict]:
     """Records of a bench run's plain outputs (see the module doc)."""
+    from record_greedy_hf import prompt_ids
     from transformers import AutoTokenizer
 
     from vllm_specplug.bench.prompts import load_prompts
+    from vllm_specplug.bench.workloads import build_messages
     from vllm_specplug.models import default_model_path
 
     tok = AutoTokenizer.from_pretrained(default_model_path())
@@ -83,11 +82,9 @@ def engine_rows(path: str, per_category: int, half: str) -> list[dict]:
         if p is None:
             raise SystemExit(f"{path}: prompt id {r['id']} is not in Spec-Bench's {half} half "
                              f"at {per_category} a category; pass the run's --per-category")
-        ids = tok.apply_chat_template([{"role": "user", "content": p["prompt"]}],
-                                      add_generation_prompt=True, tokenize=True)
-        if not isinstance(ids, list):
-            ids = ids["input_ids"]
-        rows.append({"prompt_ids": list(ids), "output_ids": list(r["token_ids"]),
+        # the messages the bench sent (``llm.chat``), tokenized as the recorder does
+        rows.append({"prompt_ids": prompt_ids(tok, build_messages(p, [])),
+                     "output_ids": list(r["token_ids"]),
                      "category": p["category"], "pos": 1})
     return rows
 
@@ -115,8 +112,8 @@ def main(argv=None) -> None:
         res = {"requests": len(rows), "oracle": oracle(rows),
                "suffix": method(rows, "suffix", 24, None)}
         for ln in lines:
-            rel = ln.relative_token_cost
-            res[f"sam_global@{ln.name}"] = method(rows, "sam_global", 32, rel)
+            res[f"sam_global@{ln.name}"] = method(rows, "sam_global", 32,
+                                                  ln.relative_token_cost)
         for ln in lines:
             o = res["oracle"]
             s = res["suffix"]

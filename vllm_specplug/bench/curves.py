@@ -30,7 +30,7 @@ from typing import Callable, ClassVar, Sequence
 import numpy as np
 
 from ..proposers.base import Draft, Proposer, TargetTopK
-from .simulate import replay_many
+from .simulate import accepted_length, replay_many, within_budget
 
 BUDGETS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -240,8 +240,6 @@ def oracle_replay(sources: dict[str, Proposer], requests: Sequence[tuple],
     verified draft nodes: the accepted ones) and how many steps each
     source's draft was the one kept (``wins``; a step where none was
     accepted counts for none)."""
-    from .simulate import accepted_length
-
     gen = steps = nodes = 0
     wins = {name: 0 for name in sources}
     for i, request in enumerate(requests):
@@ -255,7 +253,7 @@ def oracle_replay(sources: dict[str, Proposer], requests: Sequence[tuple],
         while pos < len(out):
             best, who = 0, None
             for name, p in sources.items():
-                a = accepted_length(p.propose(rid, budget), out, pos)
+                a = accepted_length(within_budget(p.propose(rid, budget), budget), out, pos)
                 if a > best:
                     best, who = a, name
             if who is not None:

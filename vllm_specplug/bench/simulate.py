@@ -51,6 +51,15 @@ def accepted_length(draft: Draft, truth: Sequence[int], pos: int = 0) -> int:
     return int(best)
 
 
+def within_budget(draft: Draft, budget: int) -> Draft:
+    """The draft as the drafter verifies it: a prefix of its node order of at
+    most ``budget`` nodes."""
+    if len(draft) <= budget:
+        return draft
+    keep = np.arange(len(draft)) < budget
+    return Draft(draft.tokens[keep], None if draft.parents is None else draft.parents[keep])
+
+
 def _topk_rows(topk, out: Sequence[int], prompt_last: int | None, lo: int, hi: int
                ) -> TargetTopK:
     """The target's top-k at output positions lo..hi-1 (each row predicts
@@ -80,11 +89,7 @@ def replay(proposer: Proposer, prompt_ids: Sequence[int], output_ids: Sequence[i
         proposer.observe(req_id, [], _topk_rows(topk, out, prompt_last, 0, 1))
     pos, steps, accepted, draft_tokens, drafts = 1, 1, 0, 0, 0
     while pos < len(out):
-        draft = proposer.propose(req_id, budget)
-        if len(draft) > budget:  # the drafter keeps a prefix of the node order
-            keep = np.arange(len(draft)) < budget
-            draft = Draft(draft.tokens[keep], None if draft.parents is None
-                          else draft.parents[keep])
+        draft = within_budget(proposer.propose(req_id, budget), budget)
         a = accepted_length(draft, out, pos)
         if len(draft):
             drafts += 1
