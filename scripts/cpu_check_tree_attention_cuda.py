@@ -45,7 +45,7 @@ def check_refusals(impl_cls) -> None:
 
 
 def make_case(dtype, rng, heads=4, kv_heads=2, d=16):
-    from vllm_specplug.vllm_adapter import tree_runtime
+    from vllm_specplug.vllm_adapter.v1 import tree_runtime
 
     # batch rows: (tree or chain, root position, nodes)
     batch = [("tree", 37, 7), ("chain", 20, 3), ("tree", 15, 5), ("tree", 0, 1),
@@ -79,9 +79,9 @@ def make_case(dtype, rng, heads=4, kv_heads=2, d=16):
 def main() -> None:
     import vllm.v1.attention.backends.flash_attn as fa
 
-    from vllm_specplug.vllm_adapter import cuda_kv, tree_runtime
-    from vllm_specplug.vllm_adapter.step_state import StepTrees
-    from vllm_specplug.vllm_adapter.tree_attention_cuda import TreeFlashAttentionImpl
+    from vllm_specplug.vllm_adapter.v1 import cuda_kv, tree_runtime
+    from vllm_specplug.vllm_adapter.v1.step_state import StepTrees
+    from vllm_specplug.vllm_adapter.v1.tree_attention_cuda import TreeFlashAttentionImpl
 
     fa.FlashAttentionImpl.forward = stub_forward
     check_refusals(TreeFlashAttentionImpl)

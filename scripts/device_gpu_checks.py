@@ -516,7 +516,7 @@ def _flash_cache(num_blocks, heads, block, head_size, order, seed, dtype, device
 def section_cuda_kv(device: str, smoke: bool, budget: Budget) -> dict:
     import torch
 
-    from vllm_specplug.vllm_adapter import cuda_kv
+    from vllm_specplug.vllm_adapter.v1 import cuda_kv
 
     block, rows = 16, []
     for order in ("BHNC", "BNHC", "LBNHC"):
@@ -569,7 +569,7 @@ def section_warm_up(device: str, smoke: bool, budget: Budget) -> dict:
     for dtype in (torch.bfloat16,) if smoke else (torch.bfloat16, torch.float16):
         # a flash-layout cache view as vLLM hands it (kv heads before tokens)
         kv = torch.zeros(8, kv_heads, 16, 2 * head_size, dtype=dtype, device=device)
-        from vllm_specplug.vllm_adapter import cuda_kv
+        from vllm_specplug.vllm_adapter.v1 import cuda_kv
 
         k_cache, v_cache = cuda_kv.split_kv(kv)
         q = torch.randn(256, heads, head_size, dtype=dtype, device=device)

@@ -118,7 +118,7 @@ def plain_samples(get_llm):
 def patch_calls(monkeypatch):
     """SpecPlugDrafter without vLLM: the worker patches (which import vLLM's
     GPU model runner) replaced by a call counter."""
-    import vllm_specplug.vllm_adapter as adapter
+    import vllm_specplug.vllm_adapter.v1 as adapter
 
     calls = []
     monkeypatch.setattr(adapter, "install_worker_patches", lambda: calls.append(1))

@@ -61,7 +61,7 @@ def _stats(worker):
     import vllm_specplug
 
     out["plugin_version"] = vllm_specplug.__version__
-    from vllm_specplug.vllm_adapter import applied_names
+    from vllm_specplug.vllm_adapter.v1 import applied_names
 
     out["patches"] = sorted(applied_names())
     return out

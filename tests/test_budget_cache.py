@@ -7,11 +7,11 @@ import time
 import numpy as np
 import pytest
 
-import vllm_specplug.vllm_adapter as adapter
+import vllm_specplug.vllm_adapter.v1 as adapter
 from helpers import make_vllm_config
 from vllm_specplug.budget import (CACHED_PRIOR_WEIGHT, SAVE_EVERY, StepCostModel, load_prior,
                                   save_fit)
-from vllm_specplug.vllm_adapter.drafter import SpecPlugDrafter, step_cost_cache_path
+from vllm_specplug.vllm_adapter.v1.drafter import SpecPlugDrafter, step_cost_cache_path
 
 
 def fitted(a=0.07, b=0.007, n=300, seed=0):

@@ -242,15 +242,22 @@ def test_unsupported_vllm_version():
     assert isinstance(info.value, RuntimeError)
 
 
-@pytest.mark.parametrize("version", ["0.32.1", "0.33.0", "0.32.0rc1", "unknown"])
+@pytest.mark.parametrize("version", ["0.32.1", "0.33.1", "0.34.1", "0.35.0", "0.32.0rc1",
+                                     "unknown"])
 def test_other_versions_rejected(version):
-    with pytest.raises(UnsupportedVLLMVersion, match="0.32.0"):
+    with pytest.raises(UnsupportedVLLMVersion, match="0.32.0, 0.33.0, 0.34.0"):
         check_vllm_version(version)
 
 
-@pytest.mark.parametrize("version", ["0.32.0", "0.32.0+cpu", "0.32.0+cu128"])
-def test_supported_vllm_version(version):
+@pytest.mark.parametrize("version, adapter", [
+    ("0.32.0", "v1"), ("0.32.0+cpu", "v1"), ("0.32.0+cu128", "v1"), ("0.33.0", "v1"),
+    ("0.34.0", "mrv2"), ("0.34.0+cu129", "mrv2")])
+def test_supported_vllm_version(version, adapter):
+    """Each supported release is served by its line's adapter package."""
+    from vllm_specplug.vllm_adapter import adapter_name
+
     assert check_vllm_version(version) == version
+    assert adapter_name(version) == adapter
 
 
 def test_version_check_with_explicit_version_does_not_import_vllm():

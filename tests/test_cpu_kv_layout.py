@@ -7,7 +7,7 @@ import torch
 
 ops = pytest.importorskip("vllm._custom_ops")
 
-from vllm_specplug.vllm_adapter import cpu_kv  # noqa: E402
+from vllm_specplug.vllm_adapter.v1 import cpu_kv  # noqa: E402
 
 
 def _write(kv, key, val, slots, isa="vec"):

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from vllm_specplug.options import SpecPlugConfigError
-from vllm_specplug.vllm_adapter import cuda_checks
+from vllm_specplug.vllm_adapter.v1 import cuda_checks
 
 pytest.importorskip("vllm")
 
@@ -231,7 +231,7 @@ def test_cpu_tree_layers_refuse_unsupported_attention_when_built():
     """The CPU tree impl refuses at layer build (was: inside the forward)."""
     from vllm.config import VllmConfig, set_current_vllm_config
 
-    from vllm_specplug.vllm_adapter.tree_attention import TreeCPUAttentionImpl
+    from vllm_specplug.vllm_adapter.v1.tree_attention import TreeCPUAttentionImpl
 
     base = dict(num_heads=4, head_size=16, scale=0.25, num_kv_heads=2, alibi_slopes=None,
                 sliding_window=None, kv_cache_dtype="auto")

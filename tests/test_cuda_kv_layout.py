@@ -23,8 +23,8 @@ import torch
 
 from vllm_specplug.kernels.tree_attention_triton import tree_attention_reference
 from vllm_specplug.tree import compaction_moves
-from vllm_specplug.vllm_adapter import cpu_kv, cuda_kv, tree_runtime
-from vllm_specplug.vllm_adapter.step_state import StepTrees
+from vllm_specplug.vllm_adapter.v1 import cpu_kv, cuda_kv, tree_runtime
+from vllm_specplug.vllm_adapter.v1.step_state import StepTrees
 
 BLOCK = 16
 
@@ -258,7 +258,7 @@ def _config(backend=None, per_kind=None, cache_dtype="auto", k=8, dcp=1):
 
 def test_cuda_config_check():
     registry = pytest.importorskip("vllm.v1.attention.backends.registry")
-    from vllm_specplug.vllm_adapter import _check_cuda_tree_config
+    from vllm_specplug.vllm_adapter.v1 import _check_cuda_tree_config
 
     flash = registry.AttentionBackendEnum.FLASH_ATTN
     cfg = _config()

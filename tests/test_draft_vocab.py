@@ -102,7 +102,7 @@ def test_config_refuses_a_count_without_a_file_before_the_engine(tmp_path):
 
 
 def _runner(head_dir, cfg, draft_vocab: int, tied: bool):
-    from vllm_specplug.vllm_adapter.eagle_runner import EagleRunner
+    from vllm_specplug.vllm_adapter.v1.eagle_runner import EagleRunner
 
     torch.manual_seed(3)
     embed = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size)

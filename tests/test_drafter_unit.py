@@ -10,12 +10,12 @@ import random
 import numpy as np
 import pytest
 
-import vllm_specplug.vllm_adapter as adapter
+import vllm_specplug.vllm_adapter.v1 as adapter
 from helpers import arrays, fake_vllm_config, make_vllm_config, step
 from vllm_specplug.config import translate
 from vllm_specplug.proposers.base import Draft
 from vllm_specplug.proposers.sam import SamProposer
-from vllm_specplug.vllm_adapter.drafter import SpecPlugDrafter
+from vllm_specplug.vllm_adapter.v1.drafter import SpecPlugDrafter
 
 K = 4  # helpers.make_vllm_config's default num_speculative_tokens
 
@@ -77,7 +77,7 @@ def test_missing_plugin_config_is_explained(patch_calls):
 def test_tree_proposers_install_tree_patches_and_keep_parents(patch_calls, monkeypatch):
     import numpy as np
 
-    import vllm_specplug.vllm_adapter as adapter
+    import vllm_specplug.vllm_adapter.v1 as adapter
     from vllm_specplug.config import translate
 
     tree_calls = []
@@ -117,7 +117,7 @@ def test_tensor_parallel_ranks_adopt_rank0_drafts_and_trees(patch_calls, monkeyp
     """Ranks whose own proposers drafted differently (here: other seeds, as
     per-rank step timings would make "auto" budgets differ) end the step with
     rank 0's drafts and tree parents."""
-    import vllm_specplug.vllm_adapter as adapter
+    import vllm_specplug.vllm_adapter.v1 as adapter
 
     monkeypatch.setattr(adapter, "install_tree_patches", lambda *a: None)
 
@@ -146,7 +146,7 @@ def test_tensor_parallel_ranks_adopt_rank0_drafts_and_trees(patch_calls, monkeyp
 
 
 def test_non_default_acceptance_routes_chains_to_the_tree_path(patch_calls, monkeypatch):
-    import vllm_specplug.vllm_adapter as adapter
+    import vllm_specplug.vllm_adapter.v1 as adapter
     from vllm_specplug.scorers import BlockScorer
 
     tree_calls = []

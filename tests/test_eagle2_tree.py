@@ -396,7 +396,7 @@ def test_registered():
     assert get_proposer_class("sam_eagle2") is SamEagle2Proposer
     for cls in (Eagle2Proposer, SamEagle2Proposer):
         assert cls.drafts_trees and cls.supports_tensor_parallel and cls.takes_model_path
-        assert cls.target_hook == "vllm_specplug.vllm_adapter.eagle_runner:make_eagle_hook"
+        assert cls.target_hook == "vllm_specplug.vllm_adapter.v1.eagle_runner:make_eagle_hook"
 
 
 def test_model_key_accepted_for_eagle_methods(head_dir):

@@ -197,7 +197,7 @@ def test_tree_path_filter_keeps_the_same_tokens(exact):
     same distribution on every enumerated prefix."""
     import torch
 
-    from vllm_specplug.vllm_adapter.tree_runtime import _processed_probs
+    from vllm_specplug.vllm_adapter.v1.tree_runtime import _processed_probs
 
     for _, row in exact["rows"]:
         ours = filtered_probs(row, TEMPERATURE, TOP_K, TOP_P)[0]

@@ -1,4 +1,4 @@
-"""Request options on the tree path (vllm_adapter/request_options.py): every
+"""Request options on the tree path (vllm_adapter/v1/request_options.py): every
 option a user can set gives plain decoding's output with a tree method, either
 handled on the tree path (min_tokens, stop tokens, stop strings, ignore_eos,
 max_tokens) or by falling back to vLLM's chain verification (structured output,

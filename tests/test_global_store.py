@@ -384,7 +384,7 @@ def test_drafter_adds_a_finished_request_not_a_preempted_one(patch_calls):
     request that only leaves the batch (preempted) is freed without it."""
     from helpers import make_vllm_config, step
 
-    from vllm_specplug.vllm_adapter.drafter import SpecPlugDrafter
+    from vllm_specplug.vllm_adapter.v1.drafter import SpecPlugDrafter
 
     d = SpecPlugDrafter(make_vllm_config({"method": "sam", "num_speculative_tokens": 4}))
     store = d.proposer.global_store

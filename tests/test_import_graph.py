@@ -86,7 +86,7 @@ def test_the_tree_runtime_does_not_import_the_drafter():
     """The tree runtime reaches our drafter through ``runner.our_drafter``,
     which knows only the drafter's declared state (``drafter_state``)."""
     graph = import_graph()
-    a = "vllm_specplug.vllm_adapter."
+    a = "vllm_specplug.vllm_adapter.v1."
     for module in ("tree_runtime", "runner", "sample"):
         assert a + "drafter" not in graph[a + module], module
     assert a + "runner" in graph[a + "tree_runtime"]

@@ -5,7 +5,7 @@ import pytest
 
 from vllm_specplug.config import translate
 from vllm_specplug.options import SpecPlugConfigError
-from vllm_specplug.vllm_adapter.engine_args import check_pipeline_parallel
+from vllm_specplug.vllm_adapter.v1.engine_args import check_pipeline_parallel
 
 
 @pytest.mark.parametrize("spec", [
@@ -49,7 +49,7 @@ def test_every_method_refuses_pipeline_parallelism_on_cpu(method):
 
 def test_a_method_not_verified_under_tensor_parallelism_is_refused(monkeypatch):
     from vllm_specplug.proposers.early_exit import DelProposer
-    from vllm_specplug.vllm_adapter.engine_args import check_tensor_parallel
+    from vllm_specplug.vllm_adapter.v1.engine_args import check_tensor_parallel
 
     check_tensor_parallel(translate({"method": "del"})[1], 2)  # verified: allowed
     monkeypatch.setattr(DelProposer, "supports_tensor_parallel", False)

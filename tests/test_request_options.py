@@ -1,5 +1,5 @@
 """Every request option of the installed vLLM is accounted for on the tree
-path (vllm_adapter/request_options.py), and the per-request decisions
+path (vllm_adapter/v1/request_options.py), and the per-request decisions
 (fallback reason, min_tokens masking) are right. No engine."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_specplug.vllm_adapter import request_options as ro
+from vllm_specplug.vllm_adapter.v1 import request_options as ro
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -94,7 +94,7 @@ def test_min_tokens_masks_exactly_the_rows_plain_decoding_masks(data):
     """Brute force: the row of a node predicts output token number
     ``done + (its path length) + 1``; plain decoding masks the stop tokens
     there iff the tokens already generated on that path are < min_tokens."""
-    from vllm_specplug.vllm_adapter.tree_runtime import TreeRequest, mask_stop_tokens
+    from vllm_specplug.vllm_adapter.v1.tree_runtime import TreeRequest, mask_stop_tokens
 
     n = data.draw(st.integers(1, 12))
     parents = np.array([data.draw(st.integers(-1, i - 1)) for i in range(n)], dtype=np.int64)
@@ -130,7 +130,7 @@ def test_tree_target_distribution_is_vllms_sampler(data):
     drawn often) and renormalises them."""
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
 
-    from vllm_specplug.vllm_adapter.tree_runtime import _processed_probs
+    from vllm_specplug.vllm_adapter.v1.tree_runtime import _processed_probs
 
     v = data.draw(st.integers(2, 12))
     vals = data.draw(st.lists(st.sampled_from([-2.0, -1.0, 0.0, 0.5, 1.0, 3.0]),

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_specplug.vllm_adapter.sample import expand_batch_to_tokens
+from vllm_specplug.vllm_adapter.v1.sample import expand_batch_to_tokens
 
 
 @settings(max_examples=100, deadline=None)
@@ -29,7 +29,7 @@ def test_expand_matches_brute_force(counts, dtype):
 
 
 def test_patch_is_declared_for_the_cpu_path():
-    from vllm_specplug.vllm_adapter import CPU_EXPAND_PATCH, PATCHES
+    from vllm_specplug.vllm_adapter.v1 import CPU_EXPAND_PATCH, PATCHES
 
     assert CPU_EXPAND_PATCH in PATCHES
     assert CPU_EXPAND_PATCH.cls is None

@@ -13,7 +13,7 @@ One server for the module (about a minute to start). Two phases:
    output equals plain decoding's for the same request (a plain offline
    engine), and the drafter's per-request state is back to zero (read from
    the file ``VLLM_SPECPLUG_STATS_FILE`` names, see
-   ``vllm_specplug.vllm_adapter.stats_export``).
+   ``vllm_specplug.vllm_adapter.v1.stats_export``).
 2. *Memory*: ``MEM_TOTAL`` short requests (``max_tokens`` 4); the engine
    process's resident memory after all of them is within ``MEM_BOUND_MIB``
    of what it was after the first ``MEM_WARMUP``; the Token Recycling
@@ -218,7 +218,7 @@ def _engine_pid(soak: Soak) -> int:
     a descendant of the server process."""
     import psutil
 
-    from vllm_specplug.vllm_adapter.stats_export import read
+    from vllm_specplug.vllm_adapter.v1.stats_export import read
 
     pid = read(str(soak.stats_file))["pid"]
     assert pid in {p.pid for p in psutil.Process(soak.server_pid).children(recursive=True)}
@@ -228,7 +228,7 @@ def _engine_pid(soak: Soak) -> int:
 def _wait_idle_stats(soak: Soak, timeout: float = 30) -> dict:
     """The drafter's stats once no request holds state (or the last ones
     seen after ``timeout``: the caller's asserts then show them)."""
-    from vllm_specplug.vllm_adapter.stats_export import read
+    from vllm_specplug.vllm_adapter.v1.stats_export import read
 
     deadline = time.time() + timeout
     while True:

@@ -7,8 +7,8 @@ import os
 import pytest
 
 from helpers import make_vllm_config, step
-from vllm_specplug.vllm_adapter import stats_export
-from vllm_specplug.vllm_adapter.drafter import SpecPlugDrafter
+from vllm_specplug.vllm_adapter.v1 import stats_export
+from vllm_specplug.vllm_adapter.v1.drafter import SpecPlugDrafter
 
 HIST_A = [5, 6, 7, 8, 5, 6, 7]
 HIST_B = [1, 2, 3, 1, 2]

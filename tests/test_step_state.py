@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_specplug.vllm_adapter.step_state import (StepTrees, TreeLayerImpl, TreeLayersMissing,
+from vllm_specplug.vllm_adapter.v1.step_state import (StepTrees, TreeLayerImpl, TreeLayersMissing,
                                                    bind_tree_layers)
 
 DECODER, ENCODER = "decoder", "encoder"
@@ -77,7 +77,7 @@ def test_clear_keeps_counters_and_accepted_paths_until_taken():
 
 
 def test_adapter_has_no_module_level_step_state():
-    from vllm_specplug.vllm_adapter import sample, tree_runtime
+    from vllm_specplug.vllm_adapter.v1 import sample, tree_runtime
 
     for module in (tree_runtime, sample):
         for name in ("STEP", "ACCEPTED_PATHS", "FLASH_TREE_LAYERS", "_RNG"):

@@ -351,7 +351,7 @@ def test_cuda_impl_warms_up_once_per_layout(monkeypatch):
     import vllm.v1.attention.backends.flash_attn as fa
 
     from vllm_specplug.kernels import tree_attention_triton as kt
-    from vllm_specplug.vllm_adapter import tree_attention_cuda as tac
+    from vllm_specplug.vllm_adapter.v1 import tree_attention_cuda as tac
 
     rec = _Recorder()
     monkeypatch.setattr(kt, "_tree_attention_kernel", rec)

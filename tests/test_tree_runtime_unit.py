@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from vllm_specplug.proposers.base import Draft
 from vllm_specplug.scorers import GreedyScorer
-from vllm_specplug.vllm_adapter import tree_runtime
-from vllm_specplug.vllm_adapter.step_state import StepTrees
+from vllm_specplug.vllm_adapter.v1 import tree_runtime
+from vllm_specplug.vllm_adapter.v1.step_state import StepTrees
 
 
 def _parents(data, n):

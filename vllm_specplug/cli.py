@@ -300,7 +300,7 @@ def print_plugins() -> None:
 
 def cmd_list(args: argparse.Namespace) -> int:
     print_plugins()
-    from .vllm_adapter import PATCHES
+    from .vllm_adapter.v1 import PATCHES
 
     print("Patches to vLLM:")
     for p in PATCHES:

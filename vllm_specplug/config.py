@@ -25,7 +25,7 @@ from .registry import get_proposer_class, load_errors, proposer_names
 from .scorers.registry import ACCEPTANCE_KEY, parse_acceptance
 
 ADDITIONAL_CONFIG_KEY = "specplug"
-DRAFTER_CLASS_PATH = "vllm_specplug.vllm_adapter.drafter.SpecPlugDrafter"
+DRAFTER_CLASS_PATH = "vllm_specplug.vllm_adapter.v1.drafter.SpecPlugDrafter"
 DEFAULT_NUM_SPECULATIVE_TOKENS = 8
 # vLLM V1's rejection sampler asserts max_spec_len <= 128.
 MAX_NUM_SPECULATIVE_TOKENS = 128

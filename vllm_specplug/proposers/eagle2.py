@@ -41,7 +41,7 @@ or two head calls.
 
 This module is vLLM-free. The head is reached through an
 :class:`EagleDraftHook` that the vLLM adapter
-(``vllm_specplug.vllm_adapter.eagle_runner``) binds when the target is
+(``vllm_specplug.vllm_adapter.v1.eagle_runner``) binds when the target is
 loaded; unit tests bind a fake.
 """
 from __future__ import annotations
@@ -292,7 +292,7 @@ class Eagle2Proposer(Proposer):
     supports_tensor_parallel: ClassVar[bool] = True
     #: ``speculative_config['model']`` is this method's own (the head folder).
     takes_model_path: ClassVar[bool] = True
-    target_hook: ClassVar[str] = "vllm_specplug.vllm_adapter.eagle_runner:make_eagle_hook"
+    target_hook: ClassVar[str] = "vllm_specplug.vllm_adapter.v1.eagle_runner:make_eagle_hook"
     options: ClassVar[tuple[Option, ...]] = (
         Option("model", str, "",
                "folder of the trained EAGLE head (config.json and model.safetensors); "

@@ -44,7 +44,7 @@ if it is above 0).
 
 This module is vLLM-free. The model is reached through an
 :class:`ExitDraftHook` that the vLLM adapter
-(``vllm_specplug.vllm_adapter.early_exit_runner``) binds when the target is
+(``vllm_specplug.vllm_adapter.v1.early_exit_runner``) binds when the target is
 loaded; unit tests bind a fake.
 """
 from __future__ import annotations
@@ -178,7 +178,7 @@ class DelProposer(Proposer):
     supports_tensor_parallel: ClassVar[bool] = True
     #: The adapter factory that binds this proposer to the loaded target
     #: (``bind_target``); the drafter calls it from ``load_model``.
-    target_hook: ClassVar[str] = "vllm_specplug.vllm_adapter.early_exit_runner:make_exit_hook"
+    target_hook: ClassVar[str] = "vllm_specplug.vllm_adapter.v1.early_exit_runner:make_exit_hook"
     options: ClassVar[tuple[Option, ...]] = (
         Option("del_exit_layer", int, 0,
                "fixed exit layer L (draft with the first L layers, num_speculative_tokens "

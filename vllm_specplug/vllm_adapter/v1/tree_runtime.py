@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..proposers.base import Draft
-from ..scorers import GreedyScorer, RejectionScorer
-from ..tree import ancestor_mask, compaction_moves, depths
+from ...proposers.base import Draft
+from ...scorers import GreedyScorer, RejectionScorer
+from ...tree import ancestor_mask, compaction_moves, depths
 from . import cpu_kv, cuda_kv
 from .cuda_checks import request_fallback_reason
 from .request_options import fallback_reason, stop_tokens_to_mask
@@ -235,7 +235,7 @@ def tree_request(req_id: str, row: int, root_row: int, base: int, parents: np.nd
 def build_flash_args(requests: list[TreeRequest], device) -> FlashTreeArgs:
     """Kernel arguments for the CUDA path: built on the host once per step and
     copied to ``device`` in one transfer."""
-    from ..kernels.tree_attention_triton import MAX_TREE_NODES, ancestor_bits_from_parents
+    from ...kernels.tree_attention_triton import MAX_TREE_NODES, ancestor_bits_from_parents
 
     r = len(requests)
     n_max = max(tr.parents.size for tr in requests)
@@ -325,7 +325,7 @@ def flash_tree_attention(impl, query: torch.Tensor, kv_cache: torch.Tensor,
     layer's FlashAttention cache and ``batch_block_table`` the block table of
     its attention metadata (one row per batch row, in the cache's blocks);
     ``args`` the step's kernel arguments (``StepTrees.flash``)."""
-    from ..kernels.tree_attention_triton import paged_tree_attention
+    from ...kernels.tree_attention_triton import paged_tree_attention
 
     q = query.view(-1, impl.num_heads, impl.head_size)
     out = output.view(-1, impl.num_heads, impl.head_size)

@@ -37,9 +37,9 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ..options import SpecPlugConfigError
-from ..proposers.base import TargetHook
-from ..proposers.early_exit import SUPPORTED_ARCHITECTURES, ExitDraft, unsupported_message
+from ...options import SpecPlugConfigError
+from ...proposers.base import TargetHook
+from ...proposers.early_exit import SUPPORTED_ARCHITECTURES, ExitDraft, unsupported_message
 
 logger = logging.getLogger("vllm_specplug")
 

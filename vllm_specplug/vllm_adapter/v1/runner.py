@@ -10,7 +10,7 @@ through ``Patch.args``), so a renamed or moved parameter fails loudly.
 from __future__ import annotations
 
 from .drafter_state import DrafterState
-from .patching import bind
+from ..patching import bind
 
 #: The arguments of ``GPUModelRunner.propose_draft_token_ids`` the wrapper reads.
 PROPOSE_ARGS = ("scheduler_output", "sampled_token_ids", "hidden_states",
@@ -70,7 +70,7 @@ def make_setup_aux_hidden_state_outputs(original):
         if hook is not None and hook.aux_layers:
             from vllm.model_executor.models.interfaces import supports_eagle3
 
-            from ..options import SpecPlugConfigError
+            from ...options import SpecPlugConfigError
 
             model = self.get_model()
             if not supports_eagle3(model):

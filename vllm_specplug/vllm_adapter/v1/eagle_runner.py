@@ -51,8 +51,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..options import SpecPlugConfigError
-from ..proposers.base import TargetHook
+from ...options import SpecPlugConfigError
+from ...proposers.base import TargetHook
 
 logger = logging.getLogger("vllm_specplug")
 
@@ -85,7 +85,7 @@ class EagleRunner(TargetHook):
     """Runs an EAGLE head (EAGLE-1 or EAGLE-3) against a loaded vLLM target model."""
 
     def __init__(self, drafter: Any, model: Any, head_path: str) -> None:
-        from ..eagle.loading import load_head
+        from ...eagle.loading import load_head
 
         # the module layout is probed: no embedding is refused, naming it
         inner = getattr(model, "model", None)
@@ -133,7 +133,7 @@ class EagleRunner(TargetHook):
             self.embed_weight = own_embed.weight
         self.head_weight = self.embed_weight if tied else _full_vocab(lm_weight)[:vocab]
         # the draft vocabulary (FR-Spec): the LM head restricted to frequent tokens
-        from ..eagle.draft_vocab import DraftVocabError, choose_draft_vocab
+        from ...eagle.draft_vocab import DraftVocabError, choose_draft_vocab
 
         setting = int(drafter.plugin["options"].get("draft_vocab", 0))
         try:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..proposers.base import TargetTopK
+from ...proposers.base import TargetTopK
 
 
 def _target_topk(runner, logits: torch.Tensor, spec_meta, k: int) -> dict[str, TargetTopK]:

@@ -23,12 +23,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..budget import (SAVE_EVERY, AcceptanceCalibration, StepCostModel,
+from ...budget import (SAVE_EVERY, AcceptanceCalibration, StepCostModel,
                       allocate_batch_exploring, expected_accepted, load_prior, save_fit,
                       subset)
-from ..config import ADDITIONAL_CONFIG_KEY, build_proposer
-from ..proposers.base import Draft
-from ..tree import depths
+from ...config import ADDITIONAL_CONFIG_KEY, build_proposer
+from ...proposers.base import Draft
+from ...tree import depths
 from . import stats_export
 from .drafter_state import DrafterState
 from .step_state import StepTrees, bind_tree_layers
@@ -50,7 +50,7 @@ def step_cost_cache_path(vllm_config: Any) -> Path | None:
     with ``VLLM_SPECPLUG_STEP_COST_CACHE=0``."""
     if os.environ.get("VLLM_SPECPLUG_STEP_COST_CACHE", "1") == "0":
         return None
-    from ..models import cache_root
+    from ...models import cache_root
 
     try:
         import torch
@@ -85,7 +85,7 @@ class SpecPlugDrafter(DrafterState):
                 "vllm_specplug's drafter was selected without its configuration; select a "
                 "method by name, e.g. --speculative-config '{\"method\": \"sam\"}', instead of "
                 "naming the drafter class in speculative_config['model']")
-        from .. import __version__
+        from ... import __version__
 
         configured = plugin.get("version")
         if configured is not None and configured != __version__:
@@ -103,7 +103,7 @@ class SpecPlugDrafter(DrafterState):
         # Any other rule sees chains too: they are verified on the tree path.
         self.scorer = None
         if plugin.get("acceptance"):
-            from ..scorers.registry import build_scorer
+            from ...scorers.registry import build_scorer
 
             self.scorer = build_scorer(plugin["acceptance"])
         self.route_chains = self.scorer is not None

@@ -8,7 +8,7 @@ from __future__ import annotations
 import typing
 from typing import Any, Mapping
 
-from .. import config as plugin_config
+from ... import config as plugin_config
 
 
 def vllm_method_names() -> list[str]:
@@ -26,7 +26,7 @@ def pipeline_parallel_problem(plugin: dict[str, Any]) -> str | None:
     every layer, KV compaction in every layer's cache); DEL drafts with the
     target's first layers, which live on another stage. A chain method with
     vLLM's own rejection sampler needs nothing outside the last stage."""
-    from ..registry import get_proposer_class
+    from ...registry import get_proposer_class
 
     method = plugin["method"]
     cls = get_proposer_class(method)
@@ -75,7 +75,7 @@ def check_pipeline_parallel(plugin: dict[str, Any], pipeline_parallel_size: int,
 def check_tensor_parallel(plugin: dict[str, Any], tensor_parallel_size: int) -> None:
     """Refuse, before the engine starts, a method not verified under tensor
     parallelism (``Proposer.supports_tensor_parallel``)."""
-    from ..registry import get_proposer_class
+    from ...registry import get_proposer_class
 
     if int(tensor_parallel_size or 1) > 1 and not get_proposer_class(
             plugin["method"]).supports_tensor_parallel:

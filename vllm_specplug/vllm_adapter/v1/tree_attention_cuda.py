@@ -31,7 +31,7 @@ serving), once per distinct set of dtypes and strides.
 """
 from __future__ import annotations
 
-from vllm.utils.torch_utils import is_quantized_kv_cache
+from vllm.v1.kv_cache_interface import is_quantized_kv_cache
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
 from vllm.v1.attention.backends.flash_attn import (FlashAttentionBackend, FlashAttentionImpl,
                                                    FlashAttentionMetadataBuilder)
@@ -98,7 +98,7 @@ def warm_up_kernel(impl, query, kv_cache, block_table) -> bool:
     (trees of 1 .. 64 nodes) unless a layer with the same dtypes and strides
     already did; True if it launched. Reads row 0 of ``query`` and one block
     of the cache; writes nothing of vLLM's."""
-    from ..kernels.tree_attention_triton import warm_up
+    from ...kernels.tree_attention_triton import warm_up
 
     q = query.view(-1, impl.num_heads, impl.head_size)
     k_cache, v_cache = cuda_kv.split_kv(kv_cache)

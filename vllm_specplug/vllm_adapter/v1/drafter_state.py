@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..proposers.base import Draft, TargetTopK
+from ...proposers.base import Draft, TargetTopK
 from .step_state import StepTrees
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from ..options import SpecPlugConfigError
+from ...options import SpecPlugConfigError
 
 #: what a refusal tells the user to do instead
 CHAIN_HINT = "use a chain method (e.g. sam) for this model"
@@ -95,7 +95,7 @@ def check_tree_model(plugin: Mapping[str, Any], model_config: Any) -> None:
 
 
 def _drafts_trees(plugin: Mapping[str, Any]) -> bool:
-    from ..registry import get_proposer_class
+    from ...registry import get_proposer_class
 
     return bool(get_proposer_class(plugin["method"]).drafts_trees)
 
@@ -174,7 +174,7 @@ def flash_attention_problems(model_config: Any, cache_config: Any, capability: A
     picks another backend itself in these cases when nothing is pinned, but a
     pinned backend turns them into its generic 'no valid backend' error."""
     import torch
-    from vllm.utils.torch_utils import is_quantized_kv_cache
+    from vllm.v1.kv_cache_interface import is_quantized_kv_cache
     from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
 
     problems = []
@@ -220,7 +220,7 @@ def check_cuda_tree_config(vllm_config: Any, capability: Any = None) -> None:
         return
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    from ..kernels.tree_attention_triton import MAX_TREE_NODES
+    from ...kernels.tree_attention_triton import MAX_TREE_NODES
 
     flash = AttentionBackendEnum.FLASH_ATTN
     # VllmConfig fields read directly: a renamed one must fail, not skip a refusal
@@ -244,7 +244,7 @@ def check_cuda_tree_config(vllm_config: Any, capability: Any = None) -> None:
         problems += flash_attention_problems(model_config, vllm_config.cache_config,
                                              capability)
     else:
-        from vllm.utils.torch_utils import is_quantized_kv_cache
+        from vllm.v1.kv_cache_interface import is_quantized_kv_cache
 
         cache_dtype = str(vllm_config.cache_config.cache_dtype or "auto")
         if is_quantized_kv_cache(cache_dtype):
@@ -275,7 +275,7 @@ def request_fallback_reason(num_nodes: int, device_type: str) -> str | None:
     per-request condition raises mid-serving. The CUDA kernel holds one int64
     ancestor bitmask per node (engine configurations with more draft tokens
     are refused at start; this covers a tree that still has more nodes)."""
-    from ..kernels.tree_attention_triton import MAX_TREE_NODES
+    from ...kernels.tree_attention_triton import MAX_TREE_NODES
 
     if device_type == "cuda" and num_nodes > MAX_TREE_NODES:
         return f"more than {MAX_TREE_NODES} nodes"
