@@ -99,9 +99,10 @@ class AcceptanceByMatchLength:
         self.proposals = np.zeros(MAX_BUCKET + 1, dtype=np.int64)
         # bucket -> (estimates, their running sums) as lists; dropped by update
         self._rows: dict[int, tuple[list[float], list[float]]] = {}
-        # (bucket, relative cost) -> best length for each ceiling n (index n);
-        # dropped by update
-        self._best: dict[tuple[int, float], list[int]] = {}
+        # bucket -> (relative cost, best length for each ceiling n (index n))
+        # for the latest cost asked: one entry a bucket whatever the costs
+        # (the cost is refitted every step); dropped by update
+        self._best: dict[int, tuple[float, list[int]]] = {}
         # how acceptance falls from position i - 1 to i, over all buckets
         self._decay: np.ndarray | None = None
 
@@ -152,10 +153,12 @@ class AcceptanceByMatchLength:
         verify cost, (1 + sum of the estimates) / (1 + relative_cost * length)
         (the estimates made non-increasing: a later position cannot be
         accepted more often than an earlier one); no side effect."""
-        key = (self.bucket(match_len), relative_cost)
-        best = self._best.get(key)
-        if best is None:
-            best = self._best[key] = self._best_lengths(self._row(match_len)[0], relative_cost)
+        b = self.bucket(match_len)
+        cached = self._best.get(b)
+        if cached is None or cached[0] != relative_cost:
+            cached = self._best[b] = (relative_cost, self._best_lengths(
+                self._row(match_len)[0], relative_cost))
+        best = cached[1]
         return best[min(n, len(best) - 1)] if n > 0 else 0
 
     @staticmethod
