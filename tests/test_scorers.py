@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import ALPHA, N, V, chi2_pvalue, sample_three, sampled_chain, target
+from helpers import (ALPHA, N, V, chi2_pvalue, ranked_draft, sample_three, sampled_chain,
+                     target)
 
 from vllm_specplug.proposers.base import Draft
 from vllm_specplug.scorers import GreedyScorer, RejectionScorer
@@ -14,9 +15,11 @@ from vllm_specplug.scorers.base import Acceptance
 TREE_PARENTS = np.array([-1, -1, 0, 0, 2])
 
 
-def deterministic_tree(rng):
-    toks = rng.integers(0, V, size=TREE_PARENTS.size)
-    return Draft(toks, TREE_PARENTS), None
+# A deterministic proposer's tree: each node's children carry the draft model's
+# most likely tokens after the node's prefix (correlated with the target; with
+# tokens drawn uniformly instead, a missing residual averages out exactly).
+deterministic_tree = ranked_draft(TREE_PARENTS)
+deterministic_tree.__name__ = "deterministic_tree"
 
 
 def sampled_tree(rng):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from helpers import ALPHA, N, V, chi2_pvalue, sample_three, sampled_chain
+from helpers import ALPHA, N, V, chi2_pvalue, ranked_draft, sample_three, sampled_chain
 
 from vllm_specplug import registry as proposer_registry
 from vllm_specplug.options import SpecPlugConfigError
@@ -27,8 +27,8 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "third_party_plugin
 
 # ------------------------------------------------------------ block verification
 
-def deterministic_chain(rng):
-    return Draft.chain(rng.integers(0, V, size=3)), None
+# the draft model's greedy chain after the prefix (correlated with the target)
+deterministic_chain = ranked_draft([-1, 0, 1])
 
 
 @pytest.mark.parametrize("scorer, draft_fn", [
@@ -381,8 +381,5 @@ def test_example_scorer_is_lossless(fake_entry_points):
     fake_entry_points(*EXAMPLE_EPS)
     capped = scorer_registry.build_scorer({"name": "example_capped", "max_accept": 1})
 
-    def tree(rng):
-        toks = rng.integers(0, V, size=4)
-        return Draft(toks, np.array([-1, -1, 0, 2])), None
-
+    tree = ranked_draft([-1, -1, 0, 2])
     assert chi2_pvalue(sample_three(capped, tree, N, seed=5)) > ALPHA
