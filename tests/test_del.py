@@ -197,9 +197,14 @@ def test_shadows_only_up_to_the_chosen_layer_between_probes():
     hook = FakeHook(_truth, good_from=4)
     p = _bound(hook, del_probe_every=5, del_min_layer=2, del_max_layer=14, del_layer_step=2)
     _run(p, hook, steps=30)
-    for (_, _, _, layer, _, shadows), i in zip(hook.calls, range(len(hook.calls))):
-        if shadows and max(shadows) > layer:
-            assert shadows == tuple(p.candidates)  # a probe step
+    probes = _probe_steps(hook, p.candidates)
+    # probes every 5th step, each counted; the chosen layer (4) is below the
+    # deepest candidate, so a step that shadows every candidate is a probe
+    assert probes == list(range(0, 30, 5)) and len(probes) == p.debug_stats()["probes"], probes
+    others = [c for i, c in enumerate(hook.calls) if i not in probes]
+    for _, _, _, layer, _, shadows in others:
+        assert shadows == tuple(c for c in p.candidates if c <= layer), (layer, shadows)
+    assert sum(c[3] == 4 for c in others) >= 15  # it learned layer 4 and drafts from it
 
 
 def test_new_requests_start_from_the_engine_wide_estimate():

@@ -25,9 +25,17 @@ def make(monkeypatch, path, interval="1"):
 
 
 def test_off_by_default(monkeypatch, patch_calls, tmp_path):  # noqa: F811
+    """Unset: no exporter, and no write anywhere (a spy on every write, not a
+    look at one folder: a default path elsewhere would not show there)."""
+    writes = []
+    monkeypatch.setattr(stats_export._Exporter, "write",
+                        lambda self, drafter: writes.append(self.path))
+    monkeypatch.chdir(tmp_path)
     d = make(monkeypatch, None)
     step(d, ["a"], [HIST_A], [[7]])
     step(d, [], [], [])
+    d.finish_request("a")
+    assert writes == [] and stats_export._exporter(d) is None
     assert list(tmp_path.iterdir()) == []
 
 
