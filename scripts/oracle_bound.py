@@ -44,7 +44,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 from acceptance_curves import RECORDS  # noqa: E402
 from vllm_specplug.bench import curves as C  # noqa: E402
 
-#: this machine kind's measured b / a (sessions 13-14, docs/architecture.md:
+#: this machine kind's measured b / a (2026-12-02 and 2026-12-03, docs/architecture.md:
 #: 0.054-0.057 from 40 to 1,500 tokens of context)
 CPU_NOW_B_OVER_A = 0.055
 
@@ -98,7 +98,7 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=str(REPO / "results" / "curves" / "oracle_bound.json"))
     args = ap.parse_args(argv)
     lines = [C.cpu_cost_line(), C.CostLine(1.0, CPU_NOW_B_OVER_A, "cpu_now",
-                                           "sessions 13-14 machine, b/a measured"),
+                                           "2026-12-02/03 machine, b/a measured"),
              C.gpu_like_cost_line()]
     report = {"half": args.half, "lines": {ln.name: ln.as_dict() for ln in lines},
               "workloads": {}}
