@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "vllm_specplug"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 PAGES = [ROOT / "README.md", *DOCS, ROOT / "results" / "README.md",
-         ROOT / "examples" / "third_party_plugin" / "README.md"]
+         *sorted((ROOT / "examples").glob("**/README.md"))]
 
 
 def _layout_entries() -> list[str]:
