@@ -8,8 +8,8 @@
 of the record (``--half``), one proposer per method and budget for the whole
 half in file order (batch size 1, so cross-request memory works as in a
 serving engine), and writes ``results/curves/curves_<workload>.json``. It also
-replays the 13 prompts of the engine runs in docs/benchmarks.md ("Run A",
-"Run B": Spec-Bench position 0 of each category, 128 tokens) with the
+replays the 13 prompts of the engine runs in docs/benchmarks.md, "Trees"
+(Spec-Bench position 0 of each category, 128 tokens) with the
 engine's settings, to compare replay tau with engine tau
 (``results/curves/engine_compare.json``).
 
@@ -52,9 +52,9 @@ RECORDS = {
 # Engine runs to compare with (docs/benchmarks.md; results/runs/*.json): the
 # replay of the same 13 prompts with the same settings.
 ENGINE_RUNS = {
-    "hybrid_corpus": REPO / "results" / "runs" / "hybrid_corpus.json",   # "Run B"
-    "tr_budgets": REPO / "results" / "runs" / "tr_budgets.json",         # "Run A"
-    "eagle2": REPO / "results" / "runs" / "eagle2.json",                 # EAGLE section
+    "hybrid_corpus": REPO / "results" / "runs" / "hybrid_corpus.json",   # hybrid and static corpus
+    "tr_budgets": REPO / "results" / "runs" / "tr_budgets.json",         # Token Recycling budgets
+    "eagle2": REPO / "results" / "runs" / "eagle2.json",                 # EAGLE-2
 }
 # Engine-measured points of the methods the replay cannot run (the EAGLE
 # head needs the target's hidden states): projected with the cost lines.
@@ -154,7 +154,7 @@ def cmd_engine_compare() -> None:
     eng = engine_tau()
     res = {"prompts": [r["id"] for r in rows], "note": (
         "replay of Spec-Bench position 0 of each category (the 13 prompts of the engine runs "
-        "'Run A'/'Run B' of docs/benchmarks.md), HF greedy outputs of 128 tokens, the engine's "
+        "under 'Trees' in docs/benchmarks.md), HF greedy outputs of 128 tokens, the engine's "
         "settings; auto budgets with relative_token_cost = b / (a + b) of the CPU line"),
            "methods": {}}
     for m, (make, n) in engine_configs(cpu).items():
