@@ -462,6 +462,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "vllm":
         return vllm_main(argv[1:])
+    if argv[:2] == ["bench", "soak"]:  # its own options (see bench/soak.py)
+        from .bench.soak import main as soak_main
+
+        return soak_main(argv[2:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 
