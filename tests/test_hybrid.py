@@ -135,10 +135,16 @@ def test_short_match_tree_also_holds_sams_chain():
     assert p.debug_stats()["merged_sam_nodes"] >= 1
 
 
-def test_merge_can_be_turned_off():
+@pytest.mark.parametrize("merge", [False, True])
+def test_merge_can_be_turned_off(merge):
+    """Off: exactly TR's tree (not a subset of it: an empty draft would pass
+    that); on (the control), SAM's short-match chain is in the draft."""
     p = SamTokenRecyclingProposer(8, sam_tr_threshold=5, sam_min_accept_prob=0.0,
-                                  tr_prompt_bigrams=False, tr_topk=2, sam_tr_merge=False)
+                                  tr_prompt_bigrams=False, tr_topk=2, sam_tr_merge=merge)
     p.start("a", [1, 2, 3, 9, 9, 1, 2])
     p.tr.update(np.array([2]), np.array([[30, 31]]))
-    assert set(_paths(p.propose("a", 8))) <= {(30,), (31,), (30, 30), (30, 31), (31, 30),
-                                              (31, 31)}
+    paths = set(_paths(p.propose("a", 8)))
+    if merge:
+        assert (3,) in paths and p.debug_stats()["merged_sam_nodes"] >= 1
+    else:
+        assert paths == {(30,), (31,)} and p.debug_stats()["merged_sam_nodes"] == 0
