@@ -61,8 +61,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Iterable, Sequence
 
-import numba
 import numpy as np
+
+from ..jit import njit
 
 MAGIC = b"SPECSAM\x00"
 FORMAT_VERSION = 1
@@ -105,19 +106,19 @@ _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _SHIFT = np.uint64(32)
 
 
-@numba.njit(cache=True)
+@njit
 def _edge_key(state, token):
     """Never 0: 0 marks an empty hash slot (tables from ``np.zeros`` cost no
     memory or time until touched)."""
     return ((np.int64(state) << 32) | np.int64(token)) + 1
 
 
-@numba.njit(cache=True)
+@njit
 def _slot(key, mask):
     return np.int64((np.uint64(key) * _GOLDEN) >> _SHIFT) & mask
 
 
-@numba.njit(cache=True)
+@njit
 def _find_edge(h_keys, h_edges, state, token):
     """Index of state's edge on token, or -1 (open addressing, linear probing)."""
     key = _edge_key(state, token)
@@ -132,7 +133,7 @@ def _find_edge(h_keys, h_edges, state, token):
         i = (i + 1) & mask
 
 
-@numba.njit(cache=True)
+@njit
 def _add_edge(state, token, target, head, e_tok, e_tgt, e_next, h_keys, h_edges, counts):
     """Append an edge to state's list and the hash table; False when full."""
     e = counts[1]
@@ -153,7 +154,7 @@ def _add_edge(state, token, target, head, e_tok, e_tgt, e_next, h_keys, h_edges,
     return True
 
 
-@numba.njit(cache=True)
+@njit
 def _new_state(length, link, first, st_len, st_link, st_first, head, counts):
     s = counts[0]
     if s >= st_len.size:
@@ -166,7 +167,7 @@ def _new_state(length, link, first, st_len, st_link, st_first, head, counts):
     return s
 
 
-@numba.njit(cache=True)
+@njit
 def _split(p, q, token, st_len, st_link, st_first, st_cnt, head, e_tok, e_tgt, e_next,
            h_keys, h_edges, counts):
     """Clone q as a state of length len(p)+1 (q's first occurrence, q's edges,
@@ -194,7 +195,7 @@ def _split(p, q, token, st_len, st_link, st_first, st_cnt, head, e_tok, e_tgt, e
     return clone
 
 
-@numba.njit(cache=True)
+@njit
 def _insert_token(last, pos, t, st_len, st_link, st_first, st_cnt, head, e_tok, e_tgt, e_next,
                   h_keys, h_edges, counts):
     """Extend the document ending in state ``last`` by token t (at corpus
@@ -235,7 +236,7 @@ def _insert_token(last, pos, t, st_len, st_link, st_first, st_cnt, head, e_tok, 
     return cur
 
 
-@numba.njit(cache=True)
+@njit
 def _insert_tokens(corpus, doc_bounds, cursor, max_tokens, st_len, st_link, st_first, head,
                    e_tok, e_tgt, e_next, h_keys, h_edges, counts):
     """Insert up to max_tokens more corpus tokens, each document from the root
@@ -262,7 +263,7 @@ def _insert_tokens(corpus, doc_bounds, cursor, max_tokens, st_len, st_link, st_f
     return True
 
 
-@numba.njit(cache=True)
+@njit
 def _to_csr(num_states, head, e_tok, e_tgt, e_next, offsets, out_tok, out_tgt):
     """Edge lists -> CSR with tokens sorted within each state."""
     pos = 0
@@ -423,7 +424,7 @@ def build_corpus_automaton(documents: Iterable[Sequence[int]], eos_id: int,
 
 
 # ----------------------------------------------------------------- loading
-@numba.njit(cache=True)
+@njit
 def _first_bad_value(num_tokens, corpus, eos_id, st_len, st_link, st_first, offsets,
                      e_tok, e_tgt):
     """0 if the arrays are consistent enough that lookups stay in bounds and
@@ -470,7 +471,7 @@ _VALUE_CHECKS = {
 }
 
 
-@numba.njit(cache=True)
+@njit
 def _advance(offsets, e_tok, e_tgt, st_link, st_len, state, length, token):
     while True:
         lo, end = offsets[state], offsets[state + 1]
@@ -489,7 +490,7 @@ def _advance(offsets, e_tok, e_tgt, st_link, st_len, state, length, token):
         length = st_len[state]
 
 
-@numba.njit(cache=True)
+@njit
 def _advance_many(offsets, e_tok, e_tgt, st_link, st_len, state, length, tokens):
     for i in range(tokens.size):
         state, length = _advance(offsets, e_tok, e_tgt, st_link, st_len, state, length,

@@ -43,9 +43,9 @@ import itertools
 import mmap
 from typing import Sequence
 
-import numba
 import numpy as np
 
+from ..jit import njit
 from .corpus_automaton import _find_edge, _insert_token, _new_state
 
 #: Separator after each document in a segment's token array (never a token id).
@@ -59,7 +59,7 @@ DEFAULT_WINDOW = 128
 
 
 # ------------------------------------------------------------------ numba
-@numba.njit(cache=True)
+@njit
 def _add_document(doc, corpus, start, depth, st_len, st_link, st_first, st_cnt, head,
                   e_tok, e_tgt, e_next, h_keys, h_edges, counts):
     """Insert ``doc`` from the root at corpus position ``start`` (then the
@@ -85,7 +85,7 @@ def _add_document(doc, corpus, start, depth, st_len, st_link, st_first, st_cnt, 
     return True
 
 
-@numba.njit(cache=True)
+@njit
 def _advance(h_keys, h_edges, e_tgt, st_link, st_len, state, length, tokens):
     """The match (state, length) extended by each of ``tokens`` in turn: the
     longest suffix of (matched text + token) that occurs in a document."""
@@ -105,7 +105,7 @@ def _advance(h_keys, h_edges, e_tgt, st_link, st_len, state, length, tokens):
     return state, length
 
 
-@numba.njit(cache=True)
+@njit
 def _best_child(s, stamp, head, e_tok, e_tgt, e_next, st_cnt, c_edge, c_total, c_stamp):
     """State s's most frequent transition (the smallest token on a tie) and the
     total count of its transitions, cached per state until the segment changes
@@ -126,7 +126,7 @@ def _best_child(s, stamp, head, e_tok, e_tgt, e_next, st_cnt, c_edge, c_total, c
     return c_edge[s], c_total[s]
 
 
-@numba.njit(cache=True)
+@njit
 def _frequent(head, e_tok, e_tgt, e_next, st_cnt, st_link, st_len, c_edge, c_total, c_stamp,
               stamp, state, k, min_prob, min_match, out):
     """Walk from ``state`` taking the most frequent next token (the smallest id

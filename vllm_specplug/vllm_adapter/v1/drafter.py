@@ -29,6 +29,7 @@ from ...budget import (SAVE_EVERY, AcceptanceCalibration, StepCostModel,
 from ...config import ADDITIONAL_CONFIG_KEY, build_proposer
 from ...proposers.base import Draft
 from ...tree import depths
+from ...warmup import warm_up
 from . import stats_export
 from .drafter_state import DrafterState
 from .step_state import StepTrees, bind_tree_layers
@@ -98,6 +99,9 @@ class SpecPlugDrafter(DrafterState):
         self.method = plugin["method"]
         self.k = int(vllm_config.speculative_config.num_speculative_tokens)
         self.proposer = build_proposer(plugin)
+        # the method's numba kernels compile (or load from the cache) now, at
+        # engine start, not in the first requests (vllm_specplug.warmup)
+        self.warmup_seconds = warm_up(plugin)
         # The acceptance rule for temperature > 0 (None: lossless rejection
         # sampling; chains then go through vLLM's own rejection sampler).
         # Any other rule sees chains too: they are verified on the tree path.

@@ -1,0 +1,147 @@
+"""The warm-up at drafter construction compiles every numba specialization
+the real request path uses: after it, real requests driven through the
+drafter (starts, drafts, finished outputs entering the global store, drafts
+from the store and from a static corpus) add no signature to any of the
+plugin's numba dispatchers. Without the warm-up the same requests do (the
+check can fail).
+
+Each case runs in a fresh process: numba's dispatchers keep the signatures
+earlier tests compiled in this one."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+
+SCRIPT = r"""
+import json, sys
+import numba
+import numpy as np
+from helpers import make_vllm_config, step
+import vllm_specplug.vllm_adapter.v1 as adapter
+from vllm_specplug.vllm_adapter.v1 import drafter as drafter_module
+
+spec, warm = json.loads(sys.argv[1]), sys.argv[2] == "1"
+adapter.install_worker_patches = lambda: None
+adapter.install_tree_patches = lambda cfg: None
+if not warm:
+    drafter_module.warm_up = lambda plugin: None
+
+def signatures():
+    from vllm_specplug.proposers import corpus_automaton, global_store
+    return {f"{m.__name__}.{n}": len(f.signatures) for m in (global_store, corpus_automaton)
+            for n, f in vars(m).items() if isinstance(f, numba.core.dispatcher.Dispatcher)}
+
+d = drafter_module.SpecPlugDrafter(make_vllm_config(spec))
+before = signatures()
+rng = np.random.default_rng(0)
+body = rng.integers(100, 49000, size=40).tolist()
+outputs = {}
+for r in range(4):
+    rid = f"real-{r}"
+    # each prompt repeats part of itself and quotes the previous output
+    hist = body[r:r + 20] + body[r:r + 10] + outputs.get(r - 1, body[:8])[:6]
+    start = len(hist)
+    for _ in range(6):
+        drafts = step(d, [rid], [hist], [[hist[-1]]])
+        hist = hist + (drafts[0][:2] or []) + [int(rng.integers(100, 49000))]
+    outputs[r] = hist[start:]
+    d.finish_request(rid)
+after = signatures()
+print("@@" + json.dumps({"before": before, "after": after,
+                         "warmup_seconds": getattr(d, "warmup_seconds", None)}))
+"""
+
+
+def _run(spec: dict, warm: bool) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get(
+        "PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(spec), "1" if warm else "0"],
+                          capture_output=True, text=True, env=env, timeout=600)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("@@")), None)
+    assert proc.returncode == 0 and line, proc.stderr[-3000:]
+    return json.loads(line[2:])
+
+
+@pytest.fixture(scope="module")
+def corpus_file(tmp_path_factory):
+    from vllm_specplug.proposers.corpus_automaton import build_corpus_automaton
+
+    path = tmp_path_factory.mktemp("corpus") / "c.sam"
+    build_corpus_automaton([[5, 6, 7, 8, 9] * 4, [300, 301, 302, 303]], 2,
+                           {"name": "t", "vocab_sha256": "0" * 64}, path, progress=False)
+    return str(path)
+
+
+@pytest.mark.parametrize("method", ["sam", "sam_tr", "sam_corpus"])
+def test_no_compile_after_warm_up(method, corpus_file):
+    spec = {"method": method, "num_speculative_tokens": 8}
+    if method == "sam_corpus":
+        spec = {"method": "sam", "num_speculative_tokens": 8, "sam_corpus": corpus_file}
+    warm = _run(spec, warm=True)
+    assert warm["after"] == warm["before"], {
+        k: (warm["before"][k], v) for k, v in warm["after"].items() if warm["before"][k] != v}
+    assert warm["warmup_seconds"] is not None
+    # the store's insertion, matching and continuation, and (with a corpus)
+    # the corpus matching were compiled by the warm-up
+    compiled = {k for k, v in warm["before"].items() if v}
+    assert {"vllm_specplug.proposers.global_store._add_document",
+            "vllm_specplug.proposers.global_store._advance",
+            "vllm_specplug.proposers.global_store._frequent"} <= compiled, compiled
+    if method == "sam_corpus":
+        assert "vllm_specplug.proposers.corpus_automaton._advance_many" in compiled
+    if method != "sam":
+        return
+    # without the warm-up the same requests compile: the check can fail
+    cold = _run(spec, warm=False)
+    assert cold["after"] != cold["before"]
+    assert {k for k, v in cold["after"].items() if v} == compiled
+
+
+def test_warm_up_leaves_the_real_proposer_alone(tmp_path):
+    """The twin writes no file and the real proposer's state is untouched."""
+    from vllm_specplug.config import build_proposer, translate
+    from vllm_specplug.warmup import twin_plugin, warm_up
+
+    save = tmp_path / "tr.npy"
+    _, plugin = translate({"method": "sam_tr", "tr_save_matrix": str(save)})
+    twin = twin_plugin(plugin)
+    assert twin["options"]["tr_save_matrix"] == "" and twin["options"]["sam_global_tokens"] == 1024
+    assert plugin["options"]["tr_save_matrix"] == str(save)   # the real config unchanged
+    real = build_proposer(plugin)
+    assert warm_up(plugin) is not None
+    assert not save.exists()
+    assert real.sam.global_store.num_tokens == 0 and real.active_requests() == 0
+
+
+def test_warm_up_failure_is_logged_not_raised(caplog, monkeypatch):
+    from vllm_specplug import warmup
+    from vllm_specplug.config import translate
+
+    def boom(proposer, budget):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(warmup, "exercise", boom)
+    _, plugin = translate({"method": "sam"})
+    with caplog.at_level("WARNING", logger="vllm_specplug"):
+        assert warmup.warm_up(plugin) is None
+    assert "warm-up of sam failed" in caplog.text
+
+
+def test_methods_that_drive_the_target_warm_only_their_sam_part():
+    from vllm_specplug.proposers.sam import SamProposer
+    from vllm_specplug.registry import get_proposer_class
+    from vllm_specplug.warmup import driven_part
+
+    assert driven_part(get_proposer_class("del")(4)) is None
+    hybrid = get_proposer_class("sam_eagle2")
+    assert hybrid.target_hook
+    proposer = hybrid.__new__(hybrid)
+    proposer.sam = SamProposer(4, sam_global_tokens=0)
+    assert driven_part(proposer) is proposer.sam
