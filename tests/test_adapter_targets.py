@@ -260,3 +260,134 @@ def test_bind_reads_arguments_by_name():
         "scheduler_output": 1, "hidden_states": 3}
     with pytest.raises(PatchTargetMissing, match="no parameter 'aux_hidden_states'"):
         patching.bind(original, ("aux_hidden_states",))
+
+
+# ------------------------------------- every supported release, from its sources
+# The checks above run against the installed vLLM. These read the Python
+# sources of every release in ``version.ADAPTERS`` (their wheels' .py files,
+# cached by scripts/vllm_sources.py) with ``ast``, nothing imported: the V1
+# adapter's PATCHES and attribute rows against each V1-runner release, the
+# MRV2 adapter's REGISTRATIONS and READS against each MRV2 release.
+import importlib.util  # noqa: E402
+import os  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from vllm_specplug.vllm_adapter import mrv2  # noqa: E402
+from vllm_specplug.vllm_adapter.version import ADAPTERS  # noqa: E402
+
+_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "vllm_sources.py"
+_spec = importlib.util.spec_from_file_location("vllm_sources", _SCRIPT)
+vllm_sources = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(vllm_sources)
+
+V1_RELEASES = [v for v, a in ADAPTERS.items() if a == "v1"]
+MRV2_RELEASES = [v for v, a in ADAPTERS.items() if a == "mrv2"]
+
+
+@functools.lru_cache(maxsize=None)
+def _sources(version: str):
+    """The release's cached sources; fetched once (pip download) when absent,
+    unless SPECPLUG_NO_DOWNLOAD=1; a skip naming the command when neither works."""
+    root = vllm_sources.source_dir(version)
+    if root is None and os.environ.get("SPECPLUG_NO_DOWNLOAD") != "1":
+        try:
+            root = vllm_sources.fetch(version)
+        except Exception as e:  # noqa: BLE001 - no network: skipped, with the reason
+            return f"{type(e).__name__}: {e}"
+    if root is None:
+        return "SPECPLUG_NO_DOWNLOAD=1"
+    return vllm_sources.StaticSource(root)
+
+
+def static_source(version: str):
+    src = _sources(version)
+    if isinstance(src, str):
+        pytest.skip(f"vLLM {version}'s sources are not cached and could not be fetched "
+                    f"({src[:200]}); run `python scripts/vllm_sources.py {version}` "
+                    f"(caches its wheel's .py files in {vllm_sources.cache_root()})")
+    return src
+
+
+def static_problems(src, module: str, cls: str | None, attr: str,
+                    args: tuple[str, ...] = ()) -> list[str]:
+    """What of ``module[.cls].attr(args)`` is missing from ``src`` (empty: all there)."""
+    if src.module_path(module) is None:
+        return [f"module {module} does not exist"]
+    if cls is not None:
+        if src.class_def(module, cls) is None:
+            return [f"class {module}.{cls} does not exist"]
+        if not src.has_attribute(module, cls, attr):
+            return [f"{module}.{cls}.{attr} does not exist"]
+    elif not src.has_name(module, attr):
+        return [f"{module}.{attr} does not exist"]
+    if args:
+        params = src.parameters(module, cls, attr)
+        if params is None:
+            return [f"{module}.{cls + '.' if cls else ''}{attr} is not a function"]
+        gone = [a for a in args if a not in params]
+        if gone:
+            return [f"{module}.{cls + '.' if cls else ''}{attr} has no parameter "
+                    f"{', '.join(gone)} (its parameters: {', '.join(params)})"]
+    return []
+
+
+def static_patch_problems(src, patch) -> list[str]:
+    if isinstance(patch, BackendOverride):
+        out = [p for name in ("register_backend",)
+               for p in static_problems(src, patch.module, None, name)]
+        return out + static_problems(src, patch.module, "AttentionBackendEnum", patch.backend)
+    return static_problems(src, patch.module, patch.cls, patch.attr, patch.args)
+
+
+@pytest.mark.parametrize("version", V1_RELEASES)
+@pytest.mark.parametrize("patch", adapter.PATCHES, ids=lambda p: p.name)
+def test_patch_target_in_every_v1_release(version, patch):
+    problems = static_patch_problems(static_source(version), patch)
+    assert not problems, f"vLLM {version}, patch {patch.name}: {problems}"
+
+
+@pytest.mark.parametrize("version", V1_RELEASES)
+@pytest.mark.parametrize("module, cls, attr", VLLM_ATTRIBUTES,
+                         ids=[f"{c}.{a}" for _, c, a in VLLM_ATTRIBUTES])
+def test_vllm_attribute_in_every_v1_release(version, module, cls, attr):
+    problems = static_problems(static_source(version), module, cls, attr)
+    assert not problems, f"vLLM {version}: {problems}"
+
+
+@pytest.mark.parametrize("version", V1_RELEASES)
+@pytest.mark.parametrize("module, name", VLLM_FUNCTIONS, ids=[n for _, n in VLLM_FUNCTIONS])
+def test_vllm_function_in_every_v1_release(version, module, name):
+    problems = static_problems(static_source(version), module, None, name)
+    assert not problems, f"vLLM {version}: {problems}"
+
+
+@pytest.mark.parametrize("version", MRV2_RELEASES)
+@pytest.mark.parametrize("reg", mrv2.REGISTRATIONS + mrv2.READS, ids=lambda r: r.name)
+def test_mrv2_target_in_every_mrv2_release(version, reg):
+    problems = static_problems(static_source(version), reg.module, reg.cls, reg.attr, reg.args)
+    assert not problems, f"vLLM {version}, {reg.name}: {problems}"
+
+
+@pytest.mark.parametrize("version", MRV2_RELEASES)
+def test_mrv2_propose_overrides_vllms_signature_exactly(version):
+    """vLLM calls ``propose`` positionally: our parameters are vLLM's, in order."""
+    src = static_source(version)
+    assert tuple(src.parameters(mrv2.SPECULATOR_MODULE, "BaseSpeculator", "propose")) == \
+        mrv2.PROPOSE_ARGS
+
+
+def test_static_checks_can_fail():
+    """The static reader finds what is there and misses what is not (0.34
+    deleted Model Runner V1: the V1 adapter's runner patch has no target)."""
+    old, new = static_source(V1_RELEASES[0]), static_source(MRV2_RELEASES[0])
+    assert not static_patch_problems(old, adapter.RUNNER_PATCH)
+    assert static_patch_problems(new, adapter.RUNNER_PATCH) == [
+        "module vllm.v1.worker.gpu_model_runner does not exist"]
+    assert static_patch_problems(old, adapter.SAMPLE_PATCH) == []
+    renamed = Patch(name="x", module=GPU_RUNNER, cls="GPUModelRunner", attr="_sample",
+                    make=None, why="", args=("logits", "no_such_argument"))
+    assert "no parameter no_such_argument" in static_patch_problems(old, renamed)[0]
+    assert static_problems(old, "vllm.config", "VllmConfig", "no_such_config") == [
+        "vllm.config.VllmConfig.no_such_config does not exist"]
+    assert static_problems(new, "vllm.config", "VllmConfig", "speculative_config") == []
+    assert static_problems(new, mrv2.STATES_MODULE, "RequestState", "no_such_state")

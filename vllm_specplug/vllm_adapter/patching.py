@@ -90,7 +90,9 @@ def _resolve(patch: Patch) -> tuple[Any, Any]:
         raise _missing(patch, f"{where} does not exist")
     original = owner.__dict__.get(patch.attr, getattr(owner, patch.attr))
     if patch.args:
-        params = inspect.signature(original).parameters
+        function = (original.__func__ if isinstance(original, (classmethod, staticmethod))
+                    else original)
+        params = inspect.signature(function).parameters
         gone = [a for a in patch.args if a not in params]
         if gone:
             raise _missing(patch, f"{where} has no parameter {', '.join(map(repr, gone))} "
@@ -118,12 +120,13 @@ def check_target(patch: AnyPatch) -> None:
         _resolve(patch)
 
 
-def check_targets(patches: Iterable[AnyPatch]) -> None:
-    """Check every target without applying anything; one error lists all missing."""
+def check_targets(patches: Iterable[AnyPatch], check: Callable[[Any], None] = None) -> None:
+    """Check every target without applying anything (with ``check``, default
+    ``check_target``); one error lists all missing."""
     problems = []
     for patch in patches:
         try:
-            check_target(patch)
+            (check or check_target)(patch)
         except PatchTargetMissing as e:
             problems.append(str(e))
     if problems:
