@@ -111,16 +111,19 @@ def test_best_first_template_is_the_best_prefix_closed_set(rates, budget):
     assert len(set(paths)) == len(paths)
     for i, p in enumerate(paths):  # every prefix is a tree (parents earlier)
         assert len(p) == 1 or p[:-1] in paths[:i]
+    # the budget is filled unless every path up to depth 4 is taken
+    n = rates.size
+    assert len(paths) == min(budget, n + n ** 2 + n ** 3 + n ** 4)
     value = {p: float(np.prod(rates[list(p)])) for p in paths}
+    assert all(value[a] >= value[b] - 1e-12 for a, b in zip(paths, paths[1:]))  # best first
     # no path outside the set (children of members, or new roots) beats the
     # worst member: the selection is greedy-optimal for a product model
-    if len(paths) == budget:
-        worst = min(value.values())
-        frontier = [p + (r,) for p in paths if len(p) < 4 for r in range(rates.size)]
-        frontier += [(r,) for r in range(rates.size)]
-        for f in frontier:
-            if f not in value:
-                assert float(np.prod(rates[list(f)])) <= worst + 1e-12
+    worst = min(value.values())
+    frontier = [p + (r,) for p in paths if len(p) < 4 for r in range(n)]
+    frontier += [(r,) for r in range(n)]
+    for f in frontier:
+        if f not in value:
+            assert float(np.prod(rates[list(f)])) <= worst + 1e-12
 
 
 def test_paper_template_has_the_paper_shape():
