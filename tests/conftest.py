@@ -9,6 +9,18 @@ import time
 import pytest
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# Engines started by the tests (and their worker processes, which inherit the
+# environment) cache their step-cost fit in a folder of this session, never in
+# the user's cache: a test must not depend on, nor change, what earlier runs
+# on this machine measured. (An explicit setting, e.g. 0, is kept.)
+if "VLLM_SPECPLUG_STEP_COST_CACHE" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    _step_cost_dir = tempfile.mkdtemp(prefix="specplug-test-step-cost-")
+    os.environ["VLLM_SPECPLUG_STEP_COST_CACHE"] = _step_cost_dir
+    atexit.register(shutil.rmtree, _step_cost_dir, ignore_errors=True)
 # Tests read the drafter's stats from the worker with collective_rpc(function).
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 

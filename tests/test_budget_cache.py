@@ -48,6 +48,7 @@ def config(model="m", tp=1):
 
 def test_drafter_saves_and_next_drafter_starts_from_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_SPECPLUG_CACHE", str(tmp_path))
+    monkeypatch.delenv("VLLM_SPECPLUG_STEP_COST_CACHE")   # the default place
     monkeypatch.setattr(adapter, "install_worker_patches", lambda: None)
     path = step_cost_cache_path(config())
     assert path.parent == tmp_path / "step_cost"
@@ -62,6 +63,22 @@ def test_drafter_saves_and_next_drafter_starts_from_cache(tmp_path, monkeypatch)
     d2 = SpecPlugDrafter(config())
     assert d2.step_cost_from_cache
     assert d2.stats()["step_cost"]["from_cache"]
+
+
+def test_tests_never_use_the_users_step_cost_cache(monkeypatch):
+    """conftest points the cache at a folder of the test session (engines
+    inherit it), so no test reads or writes what this machine's earlier runs
+    measured."""
+    import os
+    from pathlib import Path
+
+    from vllm_specplug.models import cache_root
+
+    path = step_cost_cache_path(config())
+    assert path.parent == Path(os.environ["VLLM_SPECPLUG_STEP_COST_CACHE"])
+    assert cache_root() not in path.parents
+    monkeypatch.setenv("VLLM_SPECPLUG_STEP_COST_CACHE", "/some/folder")
+    assert step_cost_cache_path(config()).parent == Path("/some/folder")
 
 
 def test_cache_can_be_disabled(monkeypatch):

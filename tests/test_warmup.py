@@ -120,6 +120,15 @@ def test_warm_up_leaves_the_real_proposer_alone(tmp_path):
     assert real.sam.global_store.num_tokens == 0 and real.active_requests() == 0
 
 
+def test_warm_up_can_be_turned_off(monkeypatch):
+    from vllm_specplug import warmup
+    from vllm_specplug.config import translate
+
+    monkeypatch.setattr(warmup, "exercise", lambda proposer, budget: 1 / 0)
+    monkeypatch.setenv("VLLM_SPECPLUG_WARMUP", "0")
+    assert warmup.warm_up(translate({"method": "sam"})[1]) is None
+
+
 def test_warm_up_failure_is_logged_not_raised(caplog, monkeypatch):
     from vllm_specplug import warmup
     from vllm_specplug.config import translate

@@ -23,6 +23,7 @@ vLLM, no torch.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any, Mapping
 
@@ -97,11 +98,13 @@ def exercise(proposer, budget: int) -> None:
 
 def warm_up(plugin: Mapping[str, Any]) -> float | None:
     """Drive a twin of the proposer ``plugin`` describes (see the module
-    doc); returns the seconds it took, or None when nothing was driven. A
-    failure is logged, never raised: it costs the first requests' latency,
+    doc); returns the seconds it took, or None when nothing was driven (or
+    ``VLLM_SPECPLUG_WARMUP=0`` turned the warm-up off). A failure is logged, never raised: it costs the first requests' latency,
     not the engine."""
     from .config import build_proposer
 
+    if os.environ.get("VLLM_SPECPLUG_WARMUP", "1") == "0":
+        return None
     started = time.perf_counter()
     try:
         part = driven_part(build_proposer(twin_plugin(plugin)))

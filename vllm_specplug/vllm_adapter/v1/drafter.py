@@ -47,9 +47,12 @@ EXPLORE_CARRY = 16
 
 def step_cost_cache_path(vllm_config: Any) -> Path | None:
     """Where this engine's step-cost fit is cached: one file per machine
-    (CPU or GPU name), model, dtype and parallel layout. None when disabled
-    with ``VLLM_SPECPLUG_STEP_COST_CACHE=0``."""
-    if os.environ.get("VLLM_SPECPLUG_STEP_COST_CACHE", "1") == "0":
+    (CPU or GPU name), model, dtype and parallel layout, in
+    ``<cache root>/step_cost``, or in the folder ``VLLM_SPECPLUG_STEP_COST_CACHE``
+    names (the tests use a temporary one). None when disabled with
+    ``VLLM_SPECPLUG_STEP_COST_CACHE=0``."""
+    setting = os.environ.get("VLLM_SPECPLUG_STEP_COST_CACHE", "1")
+    if setting == "0":
         return None
     from ...models import cache_root
 
@@ -63,7 +66,8 @@ def step_cost_cache_path(vllm_config: Any) -> Path | None:
     mc, pc = vllm_config.model_config, vllm_config.parallel_config
     key = "|".join(str(x) for x in (
         device, mc.model, mc.dtype, pc.tensor_parallel_size, pc.pipeline_parallel_size))
-    return cache_root() / "step_cost" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
+    folder = cache_root() / "step_cost" if setting == "1" else Path(setting)
+    return folder / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
 
 
 def _cpu_model() -> str:
