@@ -351,6 +351,8 @@ class SamProposer(Proposer):
         self.stats = {f"{source}_{what}": 0 for source in SOURCES
                       if source != "global" or self.global_store is not None
                       for what in ("drafts", "tokens", "accepted")}
+        if self.global_store is not None:
+            self.stats["global_store_failed_documents"] = 0
 
     def _table(self, source: str) -> AcceptanceByMatchLength:
         if source == "static":
@@ -406,10 +408,26 @@ class SamProposer(Proposer):
             self._completed.append((req_id, tokens))
 
     def _add_completed(self) -> None:
-        if self._completed:
-            for _, tokens in sorted(self._completed, key=lambda c: c[0]):
+        """Insert the documents of requests finished since the last step. The
+        list is taken first, so a document whose insertion raises is dropped
+        (counted in ``global_store_failed_documents``) and never retried; the
+        others are still inserted, then the first error is raised for the
+        adapter to contain (the calling request decodes without drafts)."""
+        if not self._completed:
+            return
+        completed, self._completed = self._completed, []
+        error = None
+        for req_id, tokens in sorted(completed, key=lambda c: c[0]):
+            try:
                 self.global_store.add(tokens)
-            self._completed.clear()
+            except Exception as e:  # noqa: BLE001 - re-raised below, once
+                self.stats["global_store_failed_documents"] += 1
+                if error is None:
+                    error = RuntimeError(f"sam: the global store could not take the output "
+                                         f"of request {req_id}: {type(e).__name__}: {e}")
+                    error.__cause__ = e
+        if error is not None:
+            raise error
 
     def _static_match(self, req_id: str) -> tuple[int, int, int]:
         """(corpus index, state, length) of the longest static match (-1: none)."""

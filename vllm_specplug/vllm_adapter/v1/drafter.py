@@ -8,13 +8,18 @@ It turns vLLM's row-indexed call into per-request proposer calls:
 * otherwise only the newly committed tokens are observed;
 * requests that left the batch (finished, aborted, preempted) are freed.
 
-A proposer error affects only its request: it gets no draft this step and its
-state is dropped (rebuilt next step), the engine and other requests go on.
+Faults (docs/architecture.md, "Faults"): an exception in a proposer hook
+costs its request's drafts, never the engine. The request decodes without
+drafts for the rest of its life (still lossless: it proposes nothing), its
+state is freed, the error is logged once with a traceback and counted
+(``stats()["faults"]``). A fault in a step shared by the batch (step timing,
+batch-aware budget, a target hook's features) gives no drafts for that step.
 """
 from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import platform
 import time
@@ -26,6 +31,7 @@ import numpy as np
 from ...budget import (SAVE_EVERY, AcceptanceCalibration, StepCostModel,
                       allocate_batch_exploring, expected_accepted, load_prior, save_fit,
                       subset)
+from ... import faults
 from ...config import ADDITIONAL_CONFIG_KEY, build_proposer
 from ...proposers.base import Draft
 from ...tree import depths
@@ -43,6 +49,9 @@ logger = logging.getLogger("vllm_specplug")
 # EXPLORE_CARRY steps.
 EXPLORE_SHARE = 0.05
 EXPLORE_CARRY = 16
+# Requests that faulted and decode without drafts, remembered until they
+# finish; past this many (requests never reported finished) the oldest go.
+MAX_FAULTED_REQUESTS = 1 << 16
 
 
 def step_cost_cache_path(vllm_config: Any) -> Path | None:
@@ -128,7 +137,17 @@ class SpecPlugDrafter(DrafterState):
         self.target_model = None
         # the object a target-driving proposer drafts through (del, eagle2)
         self.target_hook = None
+        # faults contained (see the module doc): every one counts in
+        # num_errors; requests that lost their drafts, shared steps that fell
+        # back to none, and faults by hook in fault_stats
         self.num_errors = 0
+        self.fault_stats = {"requests": 0, "steps": 0, "hooks": {}}
+        # req_id -> None: requests decoding without drafts after a fault
+        self._faulted: dict[str, None] = {}
+        # the proposer hook being called (named in the fault's log line)
+        self._hook = ""
+        # True: a shared part of this step faulted in begin_step, no drafts
+        self._step_fault = False
         # batch-aware budget steps and the draft nodes they proposed and kept
         # (and draft nodes dropped because they lie past the request's max_tokens)
         self.batch_stats = {"steps": 0, "disabled_steps": 0, "nodes_proposed": 0,
@@ -156,9 +175,26 @@ class SpecPlugDrafter(DrafterState):
         self._last_step: tuple[tuple[str, ...], int, float] | None = None
         # True: tensor parallel, group looked up at the first step; None: one rank.
         self._tp = True if vllm_config.parallel_config.tensor_parallel_size > 1 else None
+        self.faults = None
+        self.inject_faults(os.environ.get(faults.ENV, ""))
         install_worker_patches()
         if self.proposer.drafts_trees or self.route_chains:
             install_tree_patches(vllm_config)
+
+    def inject_faults(self, spec: str) -> None:
+        """Arm fault injection (``vllm_specplug.faults``): at construction
+        from ``VLLM_SPECPLUG_INJECT_FAULT``; tests may arm more later (through
+        ``collective_rpc``), calls then counted from the arming."""
+        injector = faults.Injector([s for s in faults.parse(spec)
+                                    if s.method in ("*", self.method)])
+        if not injector.hooks:
+            return
+        self.faults = injector
+        injector.arm_proposer(self.proposer)
+        injector.wrap(self, "_time_step", "step_cost")
+        injector.wrap(self, "_fit_to_batch", "budget")
+        if self.target_hook is not None:
+            injector.arm_target_hook(self.target_hook)
 
     # vLLM's CPU runner calls this unconditionally; model-free methods ignore it.
     def load_model(self, target_model: Any) -> None:
@@ -180,6 +216,8 @@ class SpecPlugDrafter(DrafterState):
             hook = getattr(importlib.import_module(module), attr)(self, target_model)
             self.proposer.bind_target(hook)
             self.target_hook = hook
+            if self.faults is not None:
+                self.faults.arm_target_hook(hook)
 
     def begin_step(self, req_ids: Sequence[str], scheduler_output: Any,
                    hidden_states: Any = None, sampled_token_ids: Any = None,
@@ -192,10 +230,9 @@ class SpecPlugDrafter(DrafterState):
             try:
                 self.target_hook.begin_step(self.runner, hidden_states, sampled_token_ids, req_ids,
                         scheduler_output, aux_hidden_states=aux_hidden_states)
-            except Exception:  # noqa: BLE001 - drafts get worse, output does not change
-                self.num_errors += 1
-                logger.exception("vllm_specplug: %s could not keep this step's target "
-                                 "features", self.method)
+            except Exception as e:  # noqa: BLE001 - a shared step: no drafts this step
+                self._shared_fault("target_begin_step", e)
+                self._step_fault = True
 
     def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec,
                 token_ids_cpu, slot_mappings: Any = None) -> list[list[int]]:
@@ -207,38 +244,49 @@ class SpecPlugDrafter(DrafterState):
         self._row_req_ids = None
         started = time.perf_counter()
         pending, self.pending_topk = self.pending_topk, {}
-        self._time_step(req_ids, sampled_token_ids)
+        step_fault, self._step_fault = self._step_fault, False
         decoding = sum(1 for s in sampled_token_ids if s)
-        # a row's own trade-off: its tokens against its share of the step
-        self.proposer.relative_token_cost = self.step_cost.row_token_cost(decoding)
+        try:
+            self._time_step(req_ids, sampled_token_ids)
+            # a row's own trade-off: its tokens against its share of the step
+            self.proposer.relative_token_cost = self.step_cost.row_token_cost(decoding)
+        except Exception as e:  # noqa: BLE001 - a shared step: no drafts this step
+            self._shared_fault("step_cost", e)
+            self._last_step = None
+            step_fault = True
         # at disable_by_batch_size decoding rows or more nothing is drafted:
-        # proposers only follow their requests' tokens this step
+        # proposers only follow their requests' tokens this step (so after a
+        # fault in a shared part of the step)
         limit = self.plugin.get("disable_by_batch_size")
         disabled = limit is not None and decoding >= limit
         if disabled:
             self.batch_stats["disabled_steps"] += 1
+        disabled = disabled or step_fault
         proposed: list[Draft] = []
         live = set()
         for row, sampled in enumerate(sampled_token_ids):
             req_id = req_ids[row]
             live.add(req_id)
-            if not sampled:  # partial prefill or discarded row
+            # partial prefill or discarded row; a request that faulted
+            if not sampled or req_id in self._faulted:
                 proposed.append(Draft.empty())
                 continue
             try:
                 proposed.append(self._propose_row(req_id, row, int(num_tokens_no_spec[row]),
                                                   token_ids_cpu, pending.get(req_id),
                                                   draft=not disabled))
-            except Exception:  # noqa: BLE001 - one request's failure stays its own
-                self.num_errors += 1
-                logger.exception("vllm_specplug: %s proposer failed for request %s; "
-                                 "no draft this step", self.method, req_id)
-                self._forget(req_id)
+            except Exception as e:  # noqa: BLE001 - one request's fault stays its own
+                self._request_fault(req_id, e)
                 proposed.append(Draft.empty())
         for req_id in [r for r in self._seen if r not in live]:
             self._forget(req_id)
         self._step_req_ids = req_ids
-        proposed = self._fit_to_batch(proposed, decoding)
+        try:
+            proposed = self._fit_to_batch(proposed, decoding)
+        except Exception as e:  # noqa: BLE001 - a shared step: no drafts this step
+            self._shared_fault("budget", e)
+            proposed = [self._cut(req_ids[row], d, Draft.empty()) if len(d) else d
+                        for row, d in enumerate(proposed)]
         drafts: list[list[int]] = []
         for row, draft in enumerate(proposed):
             self._remember_tree(req_ids[row], draft)
@@ -301,24 +349,31 @@ class SpecPlugDrafter(DrafterState):
                      topk=None, draft: bool = True) -> Draft:
         """The proposer follows the row's newly committed tokens (or starts
         the request), then drafts (when ``draft``), within max_tokens."""
+        self._hook = "adapter"
         seen = self._seen.get(req_id)
         if (seen is not None and seen[0] <= n
                 and int(token_ids_cpu[row, seen[0] - 1]) == seen[1]):
             if n > seen[0]:  # the last step committed n - seen[0] tokens (one not drafted)
                 self.calibration.settle(req_id, n - seen[0] - 1)
             if n > seen[0] or topk is not None:
+                self._hook = "observe"
                 self.proposer.observe(req_id, token_ids_cpu[row, seen[0]:n].tolist(), topk)
         else:
             self.calibration.forget(req_id)
             if seen is not None:
+                self._hook = "finish"
                 self.proposer.finish(req_id)
+            self._hook = "start"
             self.proposer.start(req_id, token_ids_cpu[row, :n].tolist())
             if topk is not None:
+                self._hook = "observe"
                 self.proposer.observe(req_id, [], topk)
         self._seen[req_id] = (n, int(token_ids_cpu[row, n - 1]))
         if not draft:
             return Draft.empty()
+        self._hook = "propose"
         draft = self.proposer.propose(req_id, self.k)
+        self._hook = "adapter"
         if len(draft) > self.k:  # a prefix of a topological order keeps parents
             draft = subset(draft, np.arange(len(draft)) < self.k)
         if len(draft):
@@ -330,6 +385,7 @@ class SpecPlugDrafter(DrafterState):
                         else depths(draft.parent_array()) <= room)
                 if not keep.all():
                     kept = subset(draft, keep)
+                    self._hook = "draft_cut"
                     self.proposer.draft_cut(req_id, kept)
                     self.batch_stats["nodes_past_max_tokens"] += len(draft) - len(kept)
                     draft = kept
@@ -375,13 +431,24 @@ class SpecPlugDrafter(DrafterState):
         req_ids = self._step_req_ids
         for row, (before, after) in enumerate(zip(drafts, out)):
             if len(after) < len(before):
-                self.proposer.draft_cut(req_ids[row], after)
+                out[row] = after = self._cut(req_ids[row], before, after)
             if len(after) and after.scores is not None:
                 self.calibration.expect(req_ids[row], expected_accepted(after))
         kept = sum(len(d) for d in out)
         stats["nodes_proposed"] += proposed
         stats["nodes_kept"] += kept
         return out
+
+    def _cut(self, req_id: str, draft: Draft, kept: Draft) -> Draft:
+        """``kept`` of ``draft``, the proposer told (``draft_cut``); no draft
+        when that raises (the request's fault)."""
+        try:
+            self._hook = "draft_cut"
+            self.proposer.draft_cut(req_id, kept)
+            return kept
+        except Exception as e:  # noqa: BLE001 - one request's fault stays its own
+            self._request_fault(req_id, e)
+            return Draft.empty()
 
     def _remember_tree(self, req_id: str, draft: Draft) -> None:
         if len(draft) and (self.route_chains or not draft.is_chain):
@@ -392,16 +459,81 @@ class SpecPlugDrafter(DrafterState):
     def finish_request(self, req_id: str) -> None:
         """The request finished or was aborted (runner hook; preempted requests
         only leave the batch and are freed by ``_forget``)."""
-        if req_id in self._seen:
-            self.proposer.complete(req_id)
-            self._forget(req_id)
+        if req_id in self._faulted:
+            # its state was freed at the fault; complete() lets the proposer
+            # drop what it keeps past a finish (sam: the prompt length)
+            del self._faulted[req_id]
+            try:
+                self.proposer.complete(req_id)
+            except Exception:  # noqa: BLE001 - the request's fault was counted
+                logger.debug("vllm_specplug: %s's complete raised for request %s after "
+                             "its fault", self.method, req_id, exc_info=True)
+            return
+        if req_id in self._seen and self._complete(req_id):
+            self._forget(req_id, finished=True)
 
-    def _forget(self, req_id: str) -> None:
+    def _complete(self, req_id: str) -> bool:
+        """``proposer.complete``; False when it raised (the request's fault,
+        its state freed)."""
+        try:
+            self._hook = "complete"
+            self.proposer.complete(req_id)
+            return True
+        except Exception as e:  # noqa: BLE001 - one request's fault stays its own
+            self._request_fault(req_id, e, finished=True)
+            return False
+
+    def _forget(self, req_id: str, finished: bool = False) -> None:
         self._seen.pop(req_id, None)
         self.trees.pop(req_id, None)
         self.calibration.forget(req_id)
-        self.proposer.finish(req_id)
+        try:
+            self._hook = "finish"
+            self.proposer.finish(req_id)
+        except Exception as e:  # noqa: BLE001 - one request's fault stays its own
+            self._request_fault(req_id, e, finished=finished)
         stats_export.maybe_write(self, freed=True)
+
+    # ------------------------------------------------------------------ faults
+    def _request_fault(self, req_id: str, error: BaseException,
+                       finished: bool = False) -> None:
+        """A proposer hook raised for ``req_id``: it decodes without drafts
+        from now on (``finished``: it just finished), its state is freed (a
+        ``finish`` that raises is not called again); logged once, counted."""
+        hook, self._hook = self._hook or "adapter", ""
+        self.num_errors += 1
+        self.fault_stats["requests"] += 1
+        hooks = self.fault_stats["hooks"]
+        hooks[hook] = hooks.get(hook, 0) + 1
+        logger.error("vllm_specplug: %s raised in %s for request %s; the request decodes "
+                     "without drafts from now on (its output is unchanged)", self.method,
+                     hook, req_id, exc_info=error)
+        if not finished:
+            self._faulted[req_id] = None
+            if len(self._faulted) > MAX_FAULTED_REQUESTS:
+                del self._faulted[next(iter(self._faulted))]
+        self._seen.pop(req_id, None)
+        self.trees.pop(req_id, None)
+        self.calibration.forget(req_id)
+        if hook != "finish":
+            try:
+                self.proposer.finish(req_id)
+            except Exception:  # noqa: BLE001 - counted once, above
+                logger.debug("vllm_specplug: %s's finish also raised for request %s",
+                             self.method, req_id, exc_info=True)
+
+    def _shared_fault(self, site: str, error: BaseException) -> None:
+        """A part of the step shared by the batch raised: no drafts this
+        step. Logged with a traceback the first time, then at every power of
+        ten of its count."""
+        self.num_errors += 1
+        self.fault_stats["steps"] += 1
+        hooks = self.fault_stats["hooks"]
+        n = hooks[site] = hooks.get(site, 0) + 1
+        if n == 1 or math.log10(n).is_integer():
+            logger.error("vllm_specplug: %s's %s raised (%d times so far); no drafts this "
+                         "step (outputs are unchanged)", self.method, site, n,
+                         exc_info=error if n == 1 else None)
 
     # ------------------------------------------------------------ introspection
     def stats(self) -> dict[str, int]:
@@ -409,6 +541,10 @@ class SpecPlugDrafter(DrafterState):
         out = {"active_requests": self.proposer.active_requests(),
                "state_bytes": self.proposer.state_nbytes(),
                "errors": self.num_errors, "trees_held": len(self.trees),
+               "faults": {"requests": self.fault_stats["requests"],
+                          "steps": self.fault_stats["steps"],
+                          "hooks": dict(self.fault_stats["hooks"]),
+                          "requests_without_drafts": len(self._faulted)},
                "batch_budget": dict(self.batch_stats),
                "propose_time": dict(self.propose_time),
                "calibration": self.calibration.stats(),
