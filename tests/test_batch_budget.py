@@ -222,7 +222,21 @@ def test_exploration_adds_to_the_optimum_and_keeps_prefixes(rows_values, ratio, 
     for d, p, g in zip(drafts, plain, got):
         assert g.tokens.tolist() == d.tokens[: len(g)].tolist()
         assert len(g) >= len(p)
-    assert sum(map(len, got)) - sum(map(len, plain)) <= n or n == 0
+    # every node past the plain allocation was explored, and counted: none
+    # taken without being reported
+    values = [monotone_values(d.scores, None) for d in drafts]
+    extra = [(float(values[i][j]), j, i) for i, (p, g) in enumerate(zip(plain, got))
+             for j in range(len(p), len(g))]
+    assert len(extra) == n, (extra, n)
+    # each, in the order taken (most likely first), was at least half the
+    # bar it had to beat: expected tokens * b / (a + b * tokens) so far
+    expected = rows + sum(float(v[: len(p)].sum()) for v, p in zip(values, plain))
+    tokens = rows + sum(map(len, plain))
+    for v, _, _ in sorted(extra, key=lambda e: (-e[0], e[1], e[2])):
+        bar = expected * ratio / (1.0 + ratio * tokens)
+        assert v > 0.5 * bar, (v, bar, extra)
+        expected += v
+        tokens += 1
     if explore == 0:
         assert [len(g) for g in got] == [len(p) for p in plain]
 
