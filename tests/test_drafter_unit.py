@@ -50,6 +50,9 @@ def test_construction(patch_calls):
                                         "expected": 0.0}
     assert stats.pop("faults") == {"requests": 0, "steps": 0, "hooks": {},
                                    "requests_without_drafts": 0}
+    sizes = stats.pop("sizes")  # every structure that grows with traffic: empty
+    assert {"drafter_requests", "sam_requests", "sam_acceptance_cache"} <= set(sizes)
+    assert set(sizes.values()) == {0}, sizes
     assert stats == {"active_requests": 0, "state_bytes": 0, "errors": 0, "trees_held": 0}
     target = object()
     d.load_model(target)

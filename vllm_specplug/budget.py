@@ -169,6 +169,9 @@ class AcceptanceCalibration:
     PRIOR = 16.0
     MIN, MAX = 0.25, 1.5
     DECAY = 0.995
+    # drafts awaiting verification are kept for at most this many requests
+    # (the oldest dropped beyond: a request the drafter never saw leave)
+    MAX_PENDING = 1 << 16
 
     def __init__(self) -> None:
         self.accepted = 0.0
@@ -183,6 +186,9 @@ class AcceptanceCalibration:
 
     def expect(self, req_id: str, expected_tokens: float) -> None:
         """A request's kept draft is expected to get this many tokens accepted."""
+        self.pending.pop(req_id, None)
+        if len(self.pending) >= self.MAX_PENDING:
+            del self.pending[next(iter(self.pending))]
         self.pending[req_id] = float(expected_tokens)
 
     def settle(self, req_id: str, accepted: int) -> None:

@@ -188,6 +188,12 @@ class Proposer(ABC):
         """Approximate bytes of per-request state held (0 if unknown)."""
         return 0
 
+    def structure_sizes(self) -> dict[str, int]:
+        """Entries held by each structure that grows with traffic (each has a
+        bound: docs/architecture.md, "Bounds"), reported as
+        ``SpecPlugDrafter.stats()["sizes"]``; empty by default."""
+        return {}
+
     def bind_target(self, hook: "TargetHook") -> None:
         """Receive the object built by ``target_hook`` (called once, at engine
         start, only when ``target_hook`` is set)."""

@@ -326,6 +326,15 @@ class GlobalStore:
     def allocated_nbytes(self) -> int:
         return sum(s.allocated_nbytes() for s in self.segments)
 
+    def max_nbytes(self) -> int:
+        """The bytes the store can ever hold: a full ring of segments, each
+        with its arrays reserved in full (``allocated_nbytes``); what it
+        holds resident (``resident_nbytes``) stays below."""
+        states, edges = 2 * self.segment_tokens + 2, 3 * self.segment_tokens + 4
+        per_segment = (4 * (2 * self.segment_tokens + 1) + 8 * 4 * states + 3 * 4 * edges
+                       + 12 * _hash_capacity(edges))
+        return self.num_segments * per_segment
+
     # ------------------------------------------------------------ matching
     def advance(self, match: GlobalMatch, tokens: Sequence[int]) -> None:
         """Note a request's newly committed tokens; ``refresh`` applies them

@@ -193,6 +193,10 @@ class SamHybridProposer(Proposer):
     def state_nbytes(self) -> int:
         return self.sam.state_nbytes() + self.fallback.state_nbytes()
 
+    def structure_sizes(self) -> dict[str, int]:
+        return {**self.sam.structure_sizes(), **self.fallback.structure_sizes(),
+                "hybrid_branches": len(self._branch), "hybrid_chains": len(self._sam_chain)}
+
     def debug_stats(self) -> dict:
         s = dict(self.stats)
         for b in ("sam", self.branch):

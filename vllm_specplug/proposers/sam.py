@@ -576,6 +576,14 @@ class SamProposer(Proposer):
     def active_requests(self) -> int:
         return len(self._automata)
 
+    def structure_sizes(self) -> dict[str, int]:
+        tables = (self.acceptance, self.global_acceptance, self.static_acceptance)
+        return {"sam_requests": len(self._automata), "sam_prompt_lens": len(self._prompt_len),
+                "sam_completed": len(self._completed), "sam_pending": len(self._pending),
+                "sam_choices": len(self._choice), "sam_corpus_matches": len(self._corpus_matches),
+                "sam_global_matches": len(self._global_matches),
+                "sam_acceptance_cache": sum(len(t._rows) + len(t._best) for t in tables)}
+
     def state_nbytes(self) -> int:
         matches = 16 * len(self.corpora) * len(self._corpus_matches)
         matches += sum(48 * len(m.per_segment) for m in self._global_matches.values())

@@ -441,6 +441,9 @@ class TokenRecyclingProposer(Proposer):
     def active_requests(self) -> int:
         return len(self._last)
 
+    def structure_sizes(self) -> dict[str, int]:
+        return {"tr_requests": len(self._last), "tr_template_cache": len(self._template_cache)}
+
     def state_nbytes(self) -> int:
         """Per-request state only (the shared matrix: ``matrix_nbytes``)."""
         return 16 * len(self._last)

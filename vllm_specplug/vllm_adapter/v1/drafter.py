@@ -553,6 +553,11 @@ class SpecPlugDrafter(DrafterState):
                              "b_s": float(b), "relative_token_cost":
                              float(self.step_cost.relative_token_cost(1))}}
         out["proposer"] = self.proposer.debug_stats()
+        # entries of each structure that grows with traffic (docs/architecture.md, "Bounds")
+        out["sizes"] = {"drafter_requests": len(self._seen), "drafter_trees": len(self.trees),
+                        "calibration_pending": len(self.calibration.pending),
+                        "pending_topk": len(self.pending_topk),
+                        **self.proposer.structure_sizes()}
         if self.proposer.drafts_trees or self.route_chains:
             out["tree"] = dict(self.step.stats)
         return out
