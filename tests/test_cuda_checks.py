@@ -89,7 +89,8 @@ def test_other_layers_are_refused(kind, words, groups, vllm_groups):
 def _model_config(**over):
     base = dict(model="m", attention_chunk_size=None, is_attention_free=False,
                 is_hybrid=False, use_mla=False, is_encoder_decoder=False,
-                hf_text_config=SimpleNamespace(), rswa_window=None)
+                hf_text_config=SimpleNamespace(), hf_config=SimpleNamespace(),
+                rswa_window=None, uses_mrope=False)
     base.update(over)
     return SimpleNamespace(**base)
 
@@ -102,6 +103,16 @@ def _model_config(**over):
     (dict(use_mla=True), "MLA"),
     (dict(is_encoder_decoder=True), "encoder-decoder"),
     (dict(rswa_window=512), "R-SWA"),
+    # XD-RoPE (HunYuan-VL): in the rope parameters, per layer type, or at the
+    # config's top level (older checkpoints)
+    (dict(hf_text_config=SimpleNamespace(rope_parameters={
+        "rope_type": "default", "xdrope_section": [16, 16, 16, 16]})),
+     "XD-RoPE (xdrope_section=[16, 16, 16, 16])"),
+    (dict(hf_text_config=SimpleNamespace(rope_parameters={
+        "full_attention": {"rope_type": "default", "xdrope_section": [8, 8]}})),
+     "XD-RoPE (xdrope_section=[8, 8])"),
+    (dict(hf_config=SimpleNamespace(xdrope_section=[4, 4, 4])), "XD-RoPE"),
+    (dict(uses_mrope=True), "M-RoPE"),
 ])
 def test_tree_model_problems(over, words):
     assert cuda_checks.tree_model_problems(_model_config()) == []
@@ -150,6 +161,10 @@ TINY = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_
           attention_chunk_size=32, num_local_experts=1, num_experts_per_tok=1,
           intermediate_size_mlp=128, interleave_moe_layer_step=1, no_rope_layers=[1, 1, 1, 0]),
      "chunked local attention (attention_chunk_size=32"),
+    (dict(TINY, model_type="llama", architectures=["LlamaForCausalLM"],
+          rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                           "xdrope_section": [2, 2, 2, 2]}),
+     "XD-RoPE (xdrope_section=[2, 2, 2, 2])"),
 ])
 def test_engine_config_refuses_tree_methods_for_these_models(tmp_path, model_path, config,
                                                               words):

@@ -74,7 +74,33 @@ def tree_model_problems(model_config: Any) -> list[str]:
             f"tree path reads one block table and no sliding window)")
     if model_config.rswa_window is not None:
         problems.append(f"R-SWA attention (rswa_window={model_config.rswa_window})")
+    rope = multidimensional_rope(model_config)
+    if rope:
+        problems.append(
+            f"{rope} (vLLM feeds such a model a position tensor of its own, which the tree "
+            f"path does not rewrite to each node's depth: tree nodes would attend with wrong "
+            f"positions, or every draft would be verified as a chain)")
     return problems
+
+
+def multidimensional_rope(model_config: Any) -> str | None:
+    """The model's multi-dimensional rotary positions, named (None: plain
+    1-D positions): XD-RoPE (HunYuan-VL's ``xdrope_section``, in the HF config
+    or its rope parameters; vLLM 0.32 serves it as M-RoPE, later releases
+    through their own ``xdrope_positions``) or M-RoPE (``uses_mrope``)."""
+    for cfg in (model_config.hf_config, model_config.hf_text_config):
+        # HF config fields: absent on models that do not use them
+        holders = [cfg] + [p for p in (getattr(cfg, "rope_parameters", None),
+                                       getattr(cfg, "rope_scaling", None)) if p]
+        for holder in holders:
+            params = holder if isinstance(holder, dict) else vars(holder)
+            nested = [v for v in params.values() if isinstance(v, dict)]
+            for p in [params] + nested:
+                if p.get("xdrope_section") is not None:
+                    return f"XD-RoPE (xdrope_section={p['xdrope_section']})"
+    if model_config.uses_mrope:
+        return "M-RoPE (multimodal rotary positions, e.g. Qwen2-VL)"
+    return None
 
 
 def check_tree_model(plugin: Mapping[str, Any], model_config: Any) -> None:
