@@ -108,3 +108,30 @@ def test_a_busy_machine_is_flagged_by_load_average():
     for r in res["methods"]["plain"]["per_prompt"]:
         r["load_average"] = 1.9
     assert check(res) == []
+
+
+def test_a_time_to_first_token_far_above_plains_is_flagged():
+    """The cold start of issue 33: sam's first measured request had a TTFT of
+    5.5 s against plain's 0.76 s (numba compiling inside the request)."""
+    from vllm_specplug.bench.plausibility import TTFT_FACTOR, TTFT_SLACK_S
+
+    plain = [dict(_row(i, 96, 0, 9.6), ttft=t) for i, t in enumerate([0.76, 0.70, 0.72])]
+    cold = [dict(_row(i, 96, 48, 5.0), ttft=t) for i, t in enumerate([5.5, 0.71, 0.73])]
+    warm = [dict(_row(i, 96, 48, 5.0), ttft=t) for i, t in enumerate([0.80, 0.71, 0.74])]
+    res = _result(plain, {"sam": cold, "suffix": warm})
+    flags = [f for f in check(res) if "time to first token" in f.message]
+    assert [f.method for f in flags] == ["sam"]
+    assert "first request 5.50 s against plain's 0.76 s" in flags[0].message
+    assert "median" not in flags[0].message.split(":")[1]
+    md = report.markdown(res)
+    assert "sam: time to first token" in md
+    # a median far above too (every request pays), and the bound's edges
+    slow = [dict(r, ttft=2.0) for r in warm]
+    assert "median 2.00 s" in check(_result(plain, {"sam": slow}))[0].message
+    edge = TTFT_FACTOR * 0.76 + TTFT_SLACK_S
+    at_edge = [dict(r, ttft=edge if r["id"] == 0 else 0.7) for r in warm]
+    assert not [f for f in check(_result(plain, {"sam": at_edge}))
+                if "time to first token" in f.message]
+    # rows without stats: nothing to compare
+    assert not [f for f in check(_result([_row(0, 96, 0, 9.6)], {"sam": [_row(0, 96, 48, 5.0)]}))
+                if "time to first token" in f.message]

@@ -1,6 +1,7 @@
 """Benchmark statistics on synthetic counter snapshots (no engine)."""
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -150,3 +151,63 @@ def test_output_logprobs_match_a_token_by_token_computation(model_path):
     assert total == pytest.approx(want, abs=1e-3)
     assert mean_logprob([(total, n), (0.0, 0)]) == pytest.approx(want / n)
 
+
+
+def test_ttft_first_and_median_are_reported_beside_decode_rate():
+    from vllm_specplug.bench import report
+    from vllm_specplug.bench.run import ttft_summary
+
+    prompts = [{"id": i, "category": "a", "prompt": "x"} for i in range(3)]
+    plain = [dict(_row(i, "a", [1, 2, 3]), ttft=t, decode_seconds=0.5)
+             for i, t in enumerate([0.30, 0.20, 0.25])]
+    sam = [dict(_row(i, "a", [1, 2, 3]), ttft=t, decode_seconds=0.4)
+           for i, t in enumerate([5.5, 0.22, 0.26])]
+    raw = {"plain": {"engine_start_seconds": 1, "batch": None, "results": plain},
+           "sam": {"engine_start_seconds": 1, "batch": None, "results": sam}}
+    res = analyse("m", ["plain", "sam"], {"plain": None, "sam": {"method": "sam"}}, prompts,
+                  raw, [], max_tokens=3, temperature=0.0, repeat=1, batch=False)
+    assert res["methods"]["sam"]["ttft"] == {"first": 5.5, "median": 0.26, "requests": 3}
+    assert res["methods"]["plain"]["ttft"]["median"] == pytest.approx(0.25)
+    md = report.markdown(res)
+    assert "TTFT median (first)" in md
+    sam_line = next(line for line in md.splitlines() if line.startswith("| sam |"))
+    assert "0.26 s (5.50 s)" in sam_line
+    # rows without stats (older raw results) report none
+    assert ttft_summary([_row(1, "a", [1])]) is None
+
+
+def test_repeats_run_in_fresh_engines(tmp_path, monkeypatch):
+    """``--repeat`` runs each repeat in its own engine: in one engine the
+    later repeats would draft from cross-request memory holding this run's
+    own outputs of the same prompts."""
+    from vllm_specplug.bench import report, run
+
+    calls = []
+
+    def fake_worker(cfg, log_path, raw_path, on_progress=None):
+        calls.append((cfg["method_name"], cfg["repeat"], cfg.get("repeat_index", 0)))
+        rows = [dict(_row(p["id"], p["category"], [1, 2]), repeat=rep, ttft=0.1)
+                for rep in range(cfg.get("repeat_index", 0),
+                                 cfg.get("repeat_index", 0) + cfg["repeat"])
+                for p in cfg["prompts"]]
+        out = {"engine_start_seconds": 2.0, "results": rows, "batch": None,
+               "drafter_stats": None, "process_seconds": 3.0}
+        raw_path.write_text(json.dumps(out))
+        return out
+
+    monkeypatch.setattr(run, "run_worker", fake_worker)
+    prompts = [{"id": 1, "category": "a", "prompt": "x"}, {"id": 2, "category": "a",
+                                                            "prompt": "y"}]
+    res = run.run_bench("m", ["sam"], prompts, max_tokens=2, temperature=0.0,
+                        out_dir=tmp_path, repeat=3, progress=False)
+    assert calls == [(m, 1, r) for m in ("plain", "sam") for r in range(3)]
+    sam = res["methods"]["sam"]
+    assert sorted(r["repeat"] for r in sam["per_prompt"]) == [0, 0, 1, 1, 2, 2]
+    assert sam["outputs_differing_from_plain"] == 0 and sam["process_seconds"] == 9.0
+    assert res["settings"]["repeat_in_fresh_engines"]
+    assert "(each repeat in a fresh engine)" in report.markdown(res)
+    assert json.loads((tmp_path / "raw" / "sam.json").read_text())["results"][-1]["repeat"] == 2
+    calls.clear()
+    run.run_bench("m", ["sam"], prompts, max_tokens=2, temperature=0.0, out_dir=tmp_path,
+                  repeat=1, progress=False)
+    assert calls == [("plain", 1, 0), ("sam", 1, 0)]

@@ -13,6 +13,9 @@ Busy machine: the worker records the 1-minute load average after each request;
 a method whose mean exceeds the number of cores shared them with other work
 (its own engine runs one busy thread).
 
+Time to first token: a method whose first or median TTFT is far above
+plain's did start-up work inside its requests (``TTFT_FACTOR``).
+
 Tolerances: overall, 5% above tau; per prompt, 10% (a single prompt's time is
 noisier). In the repository's quiet runs (``results/runs/hybrid_corpus.json``,
 ``eagle2.json``, ``scorers_*.json``: 13 and 6 prompts, 12 methods) no prompt
@@ -26,6 +29,15 @@ from dataclasses import dataclass
 
 OVERALL_TOLERANCE = 0.05
 PROMPT_TOLERANCE = 0.10
+# Time to first token: speculation does not change prefill (the first token
+# comes from the prompt's forward pass), so a method's TTFT should be
+# plain's. Flagged when its first request's or its median TTFT exceeds
+# plain's by more than this factor plus TTFT_SLACK_S (a proposer's own work
+# at request start, e.g. matching a long prompt, stays below it): start-up
+# work inside a request (a JIT compile, a cold cache) that its tokens/s
+# include.
+TTFT_FACTOR = 1.5
+TTFT_SLACK_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -83,6 +95,7 @@ def check(res: dict) -> list[Flag]:
                                  f"prompts its speedup is more than "
                                  f"{PROMPT_TOLERANCE:.0%} above its tau there "
                                  f"(prompt ids {_ids(over)})"))
+    flags += ttft_flags(methods)
     cores = (res.get("environment") or {}).get("cores")
     for m in methods:
         loads = [r["load_average"] for r in methods[m]["per_prompt"] if "load_average" in r]
@@ -97,6 +110,32 @@ def check(res: dict) -> list[Flag]:
             flags.append(Flag("plain", f"plain: on prompt ids {_ids([k[0] for k in slow])} "
                                        f"most methods beat their tau: plain decoding was "
                                        f"slowed there, so every speedup is inflated"))
+    return flags
+
+
+def ttft_far_above(ttft: float, plain: float) -> bool:
+    return ttft > TTFT_FACTOR * plain + TTFT_SLACK_S
+
+
+def ttft_flags(methods: dict) -> list[Flag]:
+    """Methods whose first or median time to first token is far above
+    plain's (``TTFT_FACTOR``, ``TTFT_SLACK_S``)."""
+    base = methods["plain"].get("ttft")
+    if not base:
+        return []
+    flags = []
+    for m, entry in methods.items():
+        t = entry.get("ttft")
+        if m == "plain" or not t:
+            continue
+        slow = [f"{what} {t[key]:.2f} s against plain's {base[key]:.2f} s"
+                for key, what in (("first", "first request"), ("median", "median"))
+                if ttft_far_above(t[key], base[key])]
+        if slow:
+            flags.append(Flag(m, f"{m}: time to first token {'; '.join(slow)}: speculation "
+                                 f"does not change prefill, so this is start-up work inside "
+                                 f"requests (a compile, a cold cache), and its tokens/s and "
+                                 f"speedup include it"))
     return flags
 
 

@@ -20,13 +20,21 @@ def _speedup(summary: dict) -> str:
     return f"{_f(sp)}x{mark}"
 
 
+def _ttft(t: dict | None) -> str:
+    """A TTFT cell: median (first) in seconds."""
+    if not t:
+        return "n/a"
+    return f"{t['median']:.2f} s ({t['first']:.2f} s)"
+
+
 def markdown(res: dict) -> str:
     s = res["settings"]
     methods = list(res["methods"])
     workload = s.get("workload", "spec_bench")
     lines = [(f"Workload: `{workload}`. " if workload != "spec_bench" else "")
              + f"Model: `{res['model']}`; max_tokens {s['max_tokens']}, temperature "
-             f"{s['temperature']}, batch size 1, repeat {s['repeat']}; "
+             f"{s['temperature']}, batch size 1, repeat {s['repeat']}"
+             f"{' (each repeat in a fresh engine)' if s.get('repeat_in_fresh_engines') else ''}; "
              f"CPU: {res['environment']['cpu']} ({res['environment']['cores']} cores); "
              f"vLLM {res['environment']['vllm']}, torch {res['environment']['torch']}.", ""]
     for n in res.get("notes", []):
@@ -37,18 +45,20 @@ def markdown(res: dict) -> str:
                   "speculation cannot reach; do not quote them, rerun on a quiet machine):", ""]
         lines += [f"* {f.message}" for f in flags] + [""]
     lines += ["| method | tau | tokens/s | speedup | decode tokens/s | decode speedup | "
-              "draft tok/step | accept rate | outputs differing from plain |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "TTFT median (first) | draft tok/step | accept rate | outputs differing from plain |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for m in methods:
         o = res["methods"][m]["overall"]
         lines.append(f"| {m} | {_f(o['tau'])} | {_f(o['tokens_per_second'], 1)} | "
                      f"{_speedup(o)} | {_f(o.get('decode_tokens_per_second'), 1)} | "
-                     f"{_f(o.get('decode_speedup'))}x | {_f(o['draft_tokens_per_step'])} | "
-                     f"{_f(o['acceptance_rate'])} | "
+                     f"{_f(o.get('decode_speedup'))}x | {_ttft(res['methods'][m].get('ttft'))} | "
+                     f"{_f(o['draft_tokens_per_step'])} | {_f(o['acceptance_rate'])} | "
                      f"{res['methods'][m]['outputs_differing_from_plain']} |")
     lines += ["", "Decode tokens/s: each request's tokens after its first over the engine's "
               "time from its first to its last token (prefill and queueing left out: "
-              "the part of the latency speculation can shorten)."]
+              "the part of the latency speculation can shorten). TTFT: time to first token, "
+              "the median over the measured requests and, in brackets, the first measured "
+              "request's (after one unmeasured warm-up request per engine)."]
     cats = list(next(iter(res["methods"].values()))["categories"])
     lines += ["", "Per category: tau / speedup against plain decoding", "",
               "| category | " + " | ".join(methods) + " |",

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -123,6 +124,28 @@ def run_worker(cfg: dict, log_path: Path, raw_path: Path, on_progress=None) -> d
         return out
 
 
+def run_repeats(cfg: dict, repeat: int, log_path: Path, raw_path: Path,
+                on_progress=None) -> dict:
+    """``run_worker`` once per repeat, each in a fresh engine: in one engine
+    the later repeats would draft from cross-request memory (sam's global
+    store, suffix's response cache, Token Recycling's matrix) that holds this
+    run's own outputs of the same prompts, and replay them. Results of all
+    repeats in one raw file (rows keep their ``repeat``); engine start and
+    process seconds are the first engine's and the sum."""
+    if repeat <= 1:
+        return run_worker(cfg, log_path, raw_path, on_progress=on_progress)
+    outs = []
+    for rep in range(repeat):
+        part = raw_path.with_name(f"{raw_path.stem}.repeat{rep}.json")
+        outs.append(run_worker({**cfg, "repeat": 1, "repeat_index": rep}, log_path, part,
+                               on_progress=on_progress))
+    out = {**outs[0], "results": [r for o in outs for r in o["results"]],
+           "process_seconds": sum(o["process_seconds"] for o in outs),
+           "engine_start_seconds_each": [o["engine_start_seconds"] for o in outs]}
+    raw_path.write_text(json.dumps(out))
+    return out
+
+
 def counters_of(rows: list[dict]) -> Counters:
     return total(Counters(r["generated"], r["accepted"], r["drafts"], r["draft_tokens"],
                           r["seconds"], list(r["accepted_per_pos"]),
@@ -186,7 +209,7 @@ def run_bench(model: str, methods: list[str], prompts: list[dict], *, max_tokens
             raw[m] = json.loads(raw_path.read_text())
             bar.update(len(prompts) * repeat)
         else:
-            raw[m] = run_worker(cfg, log_path, raw_path, on_progress=bar.update)
+            raw[m] = run_repeats(cfg, repeat, log_path, raw_path, on_progress=bar.update)
         raw[m]["batch"] = None
         if batch_size is None:
             continue
@@ -204,7 +227,8 @@ def run_bench(model: str, methods: list[str], prompts: list[dict], *, max_tokens
         raw[m]["batch"] = out["batch"]
     bar.close()
     res = analyse(model, methods, configs, prompts, raw, notes, max_tokens=max_tokens,
-                  temperature=temperature, repeat=repeat, batch=batch_size is not None,
+                  temperature=temperature, repeat=repeat, repeat_in_fresh_engines=repeat > 1,
+                  batch=batch_size is not None,
                   batch_size=batch_size, workload=workload, engine=engine)
     if quality if quality is not None else temperature > 0:
         add_quality(res, model, raw)
@@ -222,6 +246,15 @@ def add_quality(res: dict, model: str, raw: dict) -> None:
                             "tokens": sum(n for _, n in scores)}
 
 
+def ttft_summary(rows: list[dict]) -> dict | None:
+    """Time to first token of a method's requests: the first request's
+    (where a cold start shows) and the median (None without stats)."""
+    times = [r["ttft"] for r in rows if r.get("ttft") is not None]
+    if not times:
+        return None
+    return {"first": times[0], "median": float(statistics.median(times)), "requests": len(times)}
+
+
 def analyse(model, methods, configs, prompts, raw, notes, **settings) -> dict:
     base_rows = raw["plain"]["results"]
     base_ids = {(r["id"], r["repeat"]): r["token_ids"] for r in base_rows}
@@ -237,6 +270,7 @@ def analyse(model, methods, configs, prompts, raw, notes, **settings) -> dict:
                  "engine_start_seconds": raw[m]["engine_start_seconds"],
                  "process_seconds": raw[m].get("process_seconds"),
                  "overall": summary(counters_of(rows), base_all),
+                 "ttft": ttft_summary(rows),
                  "categories": {c: summary(counters_of([r for r in rows if r["category"] == c]),
                                            base_cat[c]) for c in categories},
                  "outputs_differing_from_plain": len(diffs),

@@ -30,7 +30,8 @@ def run(cfg: dict) -> dict:
     llm.chat([[{"role": "user", "content": "Say hello."}]],
              SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     results = []
-    for rep in range(cfg.get("repeat", 1)):
+    first_repeat = cfg.get("repeat_index", 0)   # this engine's repeats are numbered from here
+    for rep in range(first_repeat, first_repeat + cfg.get("repeat", 1)):
         history: dict[str, list[tuple[str, str]]] = defaultdict(list)
         for r in rows:
             delta, dt, outs = _timed_chat(llm, [r], history, sp)
@@ -41,6 +42,7 @@ def run(cfg: dict) -> dict:
                             "token_ids": ids, "prompt_token_ids": list(out.prompt_token_ids),
                             "generated": len(ids), "seconds": dt,
                             "decode_seconds": decode_seconds(out),
+                            "ttft": time_to_first_token(out),
                             # runnable processes, 1-minute average (bench.plausibility)
                             "load_average": os.getloadavg()[0], **delta})
             print("@@progress", flush=True)
@@ -62,6 +64,13 @@ def decode_seconds(out) -> float | None:
     if m is None:
         return None
     return max(m.last_token_ts - m.first_token_ts, 0.0)
+
+
+def time_to_first_token(out) -> float | None:
+    """Seconds from the request's arrival to its first token, from vLLM's
+    per-request stats (None without stats)."""
+    m = out.metrics
+    return None if m is None else float(m.first_token_latency)
 
 
 def normalize(p: dict) -> dict:
