@@ -161,10 +161,12 @@ def _wait_idle(stats_file: Path, timeout: float = 30.0) -> dict | None:
 
 
 def run_served(model: str, method: str, reqs: list[dict], sample_every: int,
-               out_dir: Path, max_model_len: int = 2048) -> dict:
+               out_dir: Path, max_model_len: int = 2048, spec: dict | None = None) -> dict:
+    """The soak of one method through a server (``spec``: its speculative
+    config, default the method's own)."""
     from .server import running_server
 
-    spec = speculative_config(method)
+    spec = spec if spec is not None else speculative_config(method)
     stats_file = out_dir / "drafter_stats.json"
     args = ["--dtype", "float32", "--enforce-eager", "--max-model-len", str(max_model_len),
             "--served-model-name", "soak", "--seed", "0"]
