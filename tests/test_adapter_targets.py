@@ -53,6 +53,13 @@ VLLM_ATTRIBUTES = [
     ("vllm.v1.worker.gpu_input_batch", "CachedRequestState", "sampling_params"),
     ("vllm.v1.worker.gpu_input_batch", "CachedRequestState", "num_prompt_tokens"),
     ("vllm.sampling_params", "SamplingParams", "max_tokens"),
+    # tenancy.py (cross-request memory kept apart by cache_salt and LoRA adapter)
+    ("vllm.v1.request", "Request", "cache_salt"),
+    ("vllm.v1.core.sched.output", "SchedulerOutput", "scheduled_new_reqs"),
+    ("vllm.v1.core.sched.output", "NewRequestData", "req_id"),
+    ("vllm.v1.worker.gpu_input_batch", "CachedRequestState", "lora_request"),
+    ("vllm.lora.request", "LoRARequest", "lora_name"),
+    ("vllm.sampling_params", "SamplingParams", "extra_args"),
     ("vllm.v1.worker.gpu_input_batch", "InputBatch", "req_ids"),
     ("vllm.v1.worker.gpu_input_batch", "InputBatch", "req_id_to_index"),
     ("vllm.v1.worker.gpu_input_batch", "InputBatch", "num_tokens_no_spec"),

@@ -452,11 +452,13 @@ def test_error_in_start_is_contained(drafter, monkeypatch):
 class _Params:
     def __init__(self, max_tokens):
         self.max_tokens = max_tokens
+        self.extra_args = None
 
 
 class _State:
     def __init__(self, prompt_len, max_tokens):
         self.num_prompt_tokens = prompt_len
+        self.lora_request = None
         self.sampling_params = None if max_tokens == "pooling" else _Params(max_tokens)
 
 

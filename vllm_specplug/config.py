@@ -29,6 +29,24 @@ DRAFTER_CLASS_PATH = "vllm_specplug.vllm_adapter.v1.drafter.SpecPlugDrafter"
 DEFAULT_NUM_SPECULATIVE_TOKENS = 8
 # vLLM V1's rejection sampler asserts max_spec_len <= 128.
 MAX_NUM_SPECULATIVE_TOKENS = 128
+#: Which requests share cross-request memory (docs/security.md): "salt" (those
+#: with the same cache_salt and LoRA adapter), "none" (all: one shared
+#: memory), "request" (none: no cross-request memory at all).
+ISOLATION_KEY = "isolation"
+ISOLATION_MODES = ("salt", "none", "request")
+
+
+def pop_isolation(spec: dict) -> str:
+    """Take and validate ``isolation`` from a speculative config."""
+    mode = spec.pop(ISOLATION_KEY, "salt")
+    if mode not in ISOLATION_MODES:
+        raise SpecPlugConfigError(
+            f"speculative_config[{ISOLATION_KEY!r}] must be one of "
+            f"{', '.join(map(repr, ISOLATION_MODES))}, got {mode!r}: \"salt\" (default) keeps "
+            f"requests with different cache_salt or LoRA adapters from drafting from each "
+            f"other's text, \"none\" shares one memory among all requests, \"request\" "
+            f"keeps no cross-request memory (docs/security.md)")
+    return mode
 
 
 def is_plugin_method(method: Any) -> bool:
@@ -109,6 +127,7 @@ def translate(spec: Mapping[str, Any], tokenizer: str | None = None
                 f"Valid keys: {valid_keys_text(cls.options)}")
     acceptance = spec.pop(ACCEPTANCE_KEY, None)
     batch_options = pop_batch_options(spec)
+    isolation = pop_isolation(spec)
     options = validate_options(method, cls.options, spec)
     cls.check_options(k, options)
     if tokenizer is not None:
@@ -116,7 +135,7 @@ def translate(spec: Mapping[str, Any], tokenizer: str | None = None
     vllm_kwargs = {"method": "custom_class", "model": DRAFTER_CLASS_PATH,
                    "num_speculative_tokens": k}
     plugin = {"method": method, "num_speculative_tokens": k, "options": options,
-              "version": __version__, **batch_options}
+              "version": __version__, ISOLATION_KEY: isolation, **batch_options}
     if acceptance is not None:
         plugin["acceptance"] = parse_acceptance(acceptance)
         if plugin["acceptance"]["name"] == "greedy":

@@ -6,7 +6,7 @@ runner provides them, the target's top-k at each verified position.
 
 Life cycle of one request, as the adapter drives it::
 
-    start(req_id, prompt_and_committed_ids)   # also after a preemption
+    start(req_id, prompt_and_committed_ids, info)   # also after a preemption
     loop:
         draft = propose(req_id, budget)       # chain or tree, <= budget nodes
         ... target verifies ...
@@ -15,9 +15,11 @@ Life cycle of one request, as the adapter drives it::
 """
 from __future__ import annotations
 
+import functools
+import inspect
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar, Sequence
+from typing import ClassVar, Hashable, Sequence
 
 import numpy as np
 
@@ -89,6 +91,46 @@ class Draft:
 
 
 @dataclass(frozen=True)
+class RequestInfo:
+    """What the adapter knows of a request besides its tokens, given to
+    ``Proposer.start`` (docs/security.md).
+
+    ``tenant`` says which cross-request memory (``sam``'s global store,
+    Token Recycling's adjacency) the request may read and feed: requests with
+    equal keys share one partition; None: the request shares nothing (it
+    drafts from its own tokens and the operator's static files only). The
+    adapter makes it from the request's ``cache_salt`` and LoRA adapter
+    (``isolation``: "salt"), or () for all (``isolation``: "none"), or None
+    (``isolation``: "request", or the request's own opt-out). () is the
+    partition of requests without a salt or adapter, and of proposers driven
+    without the adapter. ``num_prompt_tokens``: how many of ``start``'s
+    tokens are the prompt (None: unknown)."""
+
+    tenant: Hashable | None = ()
+    num_prompt_tokens: int | None = None
+
+
+#: The default ``start`` info: the shared partition, prompt length unknown.
+SHARED = RequestInfo()
+
+
+@functools.lru_cache(maxsize=256)
+def _takes_info(start) -> bool:
+    return "info" in inspect.signature(start).parameters
+
+
+def start_request(proposer: "Proposer", req_id: str, token_ids: Sequence[int],
+                  info: RequestInfo = SHARED) -> None:
+    """``proposer.start`` with ``info`` when its ``start`` takes it (proposers
+    written before ``info`` existed take two arguments and keep working)."""
+    start = proposer.start
+    if _takes_info(getattr(start, "__func__", start)):
+        proposer.start(req_id, token_ids, info=info)
+    else:
+        proposer.start(req_id, token_ids)
+
+
+@dataclass(frozen=True)
 class TargetTopK:
     """The target's top-k next tokens at each position it scored in one step.
 
@@ -153,8 +195,13 @@ class Proposer(ABC):
         model's tokenizer folder or name. Raise ``SpecPlugConfigError``."""
 
     @abstractmethod
-    def start(self, req_id: str, token_ids: Sequence[int]) -> None:
-        """Begin (or rebuild) a request's state from all its tokens so far."""
+    def start(self, req_id: str, token_ids: Sequence[int],
+              info: RequestInfo = SHARED) -> None:
+        """Begin (or rebuild) a request's state from all its tokens so far.
+        ``info`` (optional in subclasses: the adapter passes it only to a
+        ``start`` that takes it) says which cross-request memory the request
+        may use; a proposer that keeps text across requests must keep it
+        apart by ``info.tenant`` (docs/security.md)."""
 
     @abstractmethod
     def observe(self, req_id: str, committed_ids: Sequence[int],
@@ -174,7 +221,9 @@ class Proposer(ABC):
     def complete(self, req_id: str) -> None:
         """The request finished or was aborted (not preempted): what it committed
         is final. Called once, just before ``finish``; a proposer that learns
-        across requests (``sam``'s global store) takes its tokens here."""
+        across requests (``sam``'s global store) takes its tokens here. Also
+        called, with no ``finish`` after it, for a request aborted while
+        preempted (its state already freed): drop anything kept for it."""
 
     @abstractmethod
     def finish(self, req_id: str) -> None:

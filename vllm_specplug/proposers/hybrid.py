@@ -16,7 +16,8 @@ head like ``eagle2`` (``target_hook``, ``bind_target``) and takes its keys
 (``model``: the head folder, ``depth``, ``topk``).
 
 Per-branch counts and accepted tokens are kept (``debug_stats``), so the
-benchmark can report how often each branch was taken and its tau.
+benchmark can report how often each branch was taken and its tau. ``start``'s
+``RequestInfo`` (the request's tenant) goes to both parts.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import numpy as np
 from ..budget import best_node_count, monotone_values, subset
 from ..options import Option
 from ..tree.structure import merge_drafts
-from .base import Draft, Proposer, TargetTopK
+from .base import SHARED, Draft, Proposer, RequestInfo, TargetTopK, start_request
 from ..folders import check_draft_vocab, check_head_against_model, check_head_path
 from .eagle2 import Eagle2Proposer, EagleDraftHook, path_length
 from .sam import SamProposer
@@ -92,10 +93,11 @@ class SamHybridProposer(Proposer):
         self.stats = {"sam_steps": 0, "sam_accepted": 0, f"{b}_steps": 0, f"{b}_accepted": 0,
                       "none_steps": 0, "none_accepted": 0, "merged_sam_nodes": 0}
 
-    def start(self, req_id: str, token_ids: Sequence[int]) -> None:
+    def start(self, req_id: str, token_ids: Sequence[int],
+              info: RequestInfo = SHARED) -> None:
         self._branch.pop(req_id, None)
-        self.sam.start(req_id, token_ids)
-        self.fallback.start(req_id, token_ids)
+        self.sam.start(req_id, token_ids, info)
+        start_request(self.fallback, req_id, token_ids, info)
 
     def observe(self, req_id: str, committed_ids: Sequence[int],
                 target_topk: TargetTopK | None = None) -> None:

@@ -31,7 +31,12 @@ The global store (``sam_global_tokens`` > 0; ``global_store``) holds the
 outputs (and, with ``sam_global_prompts``, the prompts) of this worker's
 recently finished requests, added when a request finishes (``complete``),
 never before, a step's finished requests in request-id order. Each request
-keeps its own matches in it.
+keeps its own matches in it. The store is kept apart by tenant
+(``RequestInfo.tenant``: by default the request's ``cache_salt`` and LoRA
+adapter; ``tenants.TenantStores``): a request reads and feeds only its
+tenant's store, and a request whose tenant is None (``isolation`` "request",
+or the request's own opt-out) none (docs/security.md). The acceptance
+estimates are shared by all requests: they hold rates, no text.
 
 Each step has up to three candidate drafts: the request's own automaton
 ("dynamic"), the global store ("global") and the static corpus ("static").
@@ -54,9 +59,10 @@ import numpy as np
 
 from ..budget import best_node_count
 from ..options import Option, SpecPlugConfigError
-from .base import Draft, Proposer, TargetTopK
+from .base import SHARED, Draft, Proposer, RequestInfo, TargetTopK
 if TYPE_CHECKING:
     from .global_store import GlobalMatch
+    from .tenants import TenantStores
 from .suffix_automaton import SuffixAutomaton
 
 # Occurrence counts are kept for the 32 longest suffixes of each new token.
@@ -279,6 +285,10 @@ class SamProposer(Proposer):
                maximum=1 << 28, check=_check_global_tokens),
         Option("sam_global_prompts", bool, False,
                "also add finished requests' prompts to the global store"),
+        Option("sam_global_tenants", int, 16,
+               "tenants (cache_salt and LoRA adapter pairs) whose global stores are kept; "
+               "beyond this, or past sam_global_tokens in all, the least recently used "
+               "tenant's store is dropped", minimum=1, maximum=4096),
     )
 
     @classmethod
@@ -308,7 +318,8 @@ class SamProposer(Proposer):
                  sam_min_match_len: int = 1, sam_min_accept_prob: float | None = None,
                  sam_min_token_prob: float = 0.0, sam_spec_factor: float = 4.0,
                  sam_corpus: str = "", sam_corpus_bias: int | None = None,
-                 sam_global_tokens: int = 500_000, sam_global_prompts: bool = False) -> None:
+                 sam_global_tokens: int = 500_000, sam_global_prompts: bool = False,
+                 sam_global_tenants: int = 16) -> None:
         self.num_speculative_tokens = int(num_speculative_tokens)
         self.continuation = sam_continuation
         self.min_match_len = int(sam_min_match_len)
@@ -320,23 +331,27 @@ class SamProposer(Proposer):
         self.spec_factor = float(sam_spec_factor)
         self.corpora = open_corpora(sam_corpus)
         self.corpus_bias = None if sam_corpus_bias is None else int(sam_corpus_bias)
-        self.global_store = None
+        # tenant key -> its global store (None: no global store)
+        self.stores: TenantStores | None = None
         if sam_global_tokens:
             # numba only when used: importing it at module import breaks vLLM's
             # in-process engines (VLLM_ENABLE_V1_MULTIPROCESSING=0), whose
             # Triton-override scan then fails on llvmlite
-            from .global_store import GlobalStore
+            from .tenants import TenantStores
 
-            self.global_store = GlobalStore(sam_global_tokens)
+            self.stores = TenantStores(sam_global_tokens, sam_global_tenants)
         self.global_prompts = bool(sam_global_prompts)
-        # req_id -> the request's matches in the global store
+        # req_id -> its tenant key (None: it shares nothing), while it has state
+        self._tenant: dict[str, object] = {}
+        # req_id -> the request's matches in its tenant's global store
         self._global_matches: dict[str, GlobalMatch] = {}
         # req_id -> context length at its first start (the prompt and the first
         # output token); kept over preemptions, dropped when it completes
         self._prompt_len: dict[str, int] = {}
-        # (req_id, tokens) of requests finished since the last step, added to
-        # the global store (in req_id order) before the next draft
-        self._completed: list[tuple[str, list[int]]] = []
+        # (req_id, tenant key, tokens) of requests finished since the last
+        # step, added to their tenants' stores (in req_id order) before the
+        # next draft
+        self._completed: list[tuple[str, object, list[int]]] = []
         # req_id -> (budget, source, match length, tokens) chosen this step
         self._choice: dict[str, tuple[int, str, int, list[int]]] = {}
         self._count_depth = COUNT_DEPTH if sam_continuation == "frequent" else 0
@@ -349,32 +364,46 @@ class SamProposer(Proposer):
         self.static_acceptance = AcceptanceByMatchLength(self.num_speculative_tokens)
         self.global_acceptance = AcceptanceByMatchLength(self.num_speculative_tokens)
         self.stats = {f"{source}_{what}": 0 for source in SOURCES
-                      if source != "global" or self.global_store is not None
+                      if source != "global" or self.stores is not None
                       for what in ("drafts", "tokens", "accepted")}
-        if self.global_store is not None:
+        if self.stores is not None:
             self.stats["global_store_failed_documents"] = 0
+
+    @property
+    def global_store(self):
+        """The global store of the default tenant (requests without a
+        ``cache_salt`` or LoRA adapter, and every request with ``isolation``
+        "none"); None without a global store. For tests and inspection."""
+        return self.stores.get(()) if self.stores is not None else None
 
     def _table(self, source: str) -> AcceptanceByMatchLength:
         if source == "static":
             return self.static_acceptance
         return self.global_acceptance if source == "global" else self.acceptance
 
-    def start(self, req_id: str, token_ids: Sequence[int]) -> None:
+    def start(self, req_id: str, token_ids: Sequence[int],
+              info: RequestInfo = SHARED) -> None:
         self._pending.pop(req_id, None)
         self._choice.pop(req_id, None)
         self._automata[req_id] = SuffixAutomaton(token_ids, count_depth=self._count_depth)
         if self.corpora:
             self._corpus_matches[req_id] = [c.advance_many(0, 0, token_ids)
                                             for c in self.corpora]
-        if self.global_store is not None:
+        if self.stores is not None:
             self._add_completed()
-            if req_id not in self._prompt_len:
+            if info.num_prompt_tokens is not None:   # the adapter knows it exactly
+                self._prompt_len.pop(req_id, None)
+                self._prompt_len[req_id] = info.num_prompt_tokens + 1
+            elif req_id not in self._prompt_len:
                 if len(self._prompt_len) >= MAX_TRACKED_PROMPTS:
                     del self._prompt_len[next(iter(self._prompt_len))]
                 self._prompt_len[req_id] = len(token_ids)
-            from .global_store import GlobalMatch
+            self._tenant[req_id] = info.tenant
+            self._global_matches.pop(req_id, None)
+            if info.tenant is not None:
+                from .global_store import GlobalMatch
 
-            self._global_matches[req_id] = GlobalMatch()
+                self._global_matches[req_id] = GlobalMatch()
 
     def observe(self, req_id: str, committed_ids: Sequence[int],
                 target_topk: TargetTopK | None = None) -> None:
@@ -392,20 +421,31 @@ class SamProposer(Proposer):
             matches = self._corpus_matches[req_id]
             for i, c in enumerate(self.corpora):
                 matches[i] = c.advance_many(*matches[i], committed_ids)
-        if self.global_store is not None:
-            self.global_store.advance(self._global_matches[req_id], committed_ids)
+        match = self._global_matches.get(req_id)
+        if match is not None:
+            store = self.stores.peek(self._tenant[req_id])
+            if store is not None:
+                store.advance(match, committed_ids)
 
     def complete(self, req_id: str) -> None:
         """The request finished: its output (with ``sam_global_prompts``, all
         its tokens) goes to the global store before the next draft."""
         prompt_len = self._prompt_len.pop(req_id, None)
         sa = self._automata.get(req_id)
-        if self.global_store is None or sa is None:
+        tenant = self._tenant.get(req_id)
+        if self.stores is None or sa is None or tenant is None:
             return
-        start = 0 if self.global_prompts or prompt_len is None else max(prompt_len - 1, 0)
+        if self.global_prompts:
+            start = 0
+        elif prompt_len is None:
+            # where the output begins is unknown (its prompt length was
+            # forgotten past MAX_TRACKED_PROMPTS): the prompt must not enter
+            return
+        else:
+            start = max(prompt_len - 1, 0)
         tokens = sa.tokens[start:].tolist()
         if tokens:
-            self._completed.append((req_id, tokens))
+            self._completed.append((req_id, tenant, tokens))
 
     def _add_completed(self) -> None:
         """Insert the documents of requests finished since the last step. The
@@ -417,9 +457,9 @@ class SamProposer(Proposer):
             return
         completed, self._completed = self._completed, []
         error = None
-        for req_id, tokens in sorted(completed, key=lambda c: c[0]):
+        for req_id, tenant, tokens in sorted(completed, key=lambda c: c[0]):
             try:
-                self.global_store.add(tokens)
+                self.stores.add(tenant, tokens)
             except Exception as e:  # noqa: BLE001 - re-raised below, once
                 self.stats["global_store_failed_documents"] += 1
                 if error is None:
@@ -448,19 +488,20 @@ class SamProposer(Proposer):
 
     def _match(self, req_id: str, source: str) -> tuple[int, tuple[int, int] | None]:
         """(length, where) of a source's longest match: where is (corpus or
-        segment index, state) for the static corpus and the global store."""
+        segment index, state) for the static corpus, (segment index, state,
+        store) for the request's tenant's global store."""
         if source == "dynamic":
             return self._automata[req_id].match_len, None
         if source == "static":
             corpus, state, length = self._static_match(req_id)
             return length, (corpus, state)
-        store = self.global_store
+        match = self._global_matches.get(req_id)
+        store = None if match is None else self.stores.get(self._tenant[req_id], create=False)
         if store is None or not store.segments:
             return 0, None
-        match = self._global_matches[req_id]
         store.refresh(match, self._automata[req_id].tokens)
         segment, state, length = store.best(match)
-        return length, (segment, state)
+        return length, (segment, state, store)
 
     def _draft_tokens(self, req_id: str, source: str, length: int,
                       where: tuple[int, int] | None, budget: int) -> list[int]:
@@ -475,8 +516,8 @@ class SamProposer(Proposer):
             return sa.continuation(n, self.min_match_len)[1]
         if source == "static":
             return self.corpora[where[0]].continuation(where[1], length, budget).tolist()
-        return self.global_store.continuation(where[0], where[1], n, self.continuation,
-                                              self.min_token_prob, self.min_match_len)
+        return where[2].continuation(where[0], where[1], n, self.continuation,
+                                     self.min_token_prob, self.min_match_len)
 
     def _value(self, source: str, length: int, n: int) -> tuple[float, float]:
         """(expected accepted tokens of an n-token draft after the cut, the
@@ -506,7 +547,7 @@ class SamProposer(Proposer):
         cached = self._choice.get(req_id)
         if cached is not None and cached[0] == budget:
             return cached[1:]
-        if self.global_store is not None:
+        if self.stores is not None:
             self._add_completed()
         sources = [s for s in SOURCES if s != "static" or self.corpora]
         best = ("dynamic", self._automata[req_id].match_len, [])
@@ -571,6 +612,7 @@ class SamProposer(Proposer):
         self._corpus_matches.pop(req_id, None)
         self._pending.pop(req_id, None)
         self._global_matches.pop(req_id, None)
+        self._tenant.pop(req_id, None)
         self._choice.pop(req_id, None)
 
     def active_requests(self) -> int:
@@ -582,6 +624,7 @@ class SamProposer(Proposer):
                 "sam_completed": len(self._completed), "sam_pending": len(self._pending),
                 "sam_choices": len(self._choice), "sam_corpus_matches": len(self._corpus_matches),
                 "sam_global_matches": len(self._global_matches),
+                "sam_tenants": len(self._tenant),
                 "sam_acceptance_cache": sum(len(t._rows) + len(t._best) for t in tables)}
 
     def state_nbytes(self) -> int:
@@ -594,7 +637,9 @@ class SamProposer(Proposer):
         automaton ("dynamic"), the global store ("global") and static corpus
         automata ("static"); with a global store, its size too."""
         out = dict(self.stats)
-        if self.global_store is not None:
-            out["global_store_tokens"] = self.global_store.num_tokens
-            out["global_store_bytes"] = self.global_store.resident_nbytes()
+        if self.stores is not None:
+            # all tenants' stores together
+            out["global_store_tokens"] = self.stores.num_tokens
+            out["global_store_bytes"] = self.stores.resident_nbytes()
+            out["global_store_tenants"] = len(self.stores)
         return out

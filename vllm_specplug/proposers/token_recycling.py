@@ -26,6 +26,15 @@ Templates:
 * a path to a JSON file: a list of rank paths, e.g. ``[[0], [1], [0, 0]]``.
 
 Per request only the last committed token is kept.
+
+Tenants (docs/security.md): the matrix holds text other requests produced,
+so there is one matrix per tenant (``RequestInfo.tenant``: by default the
+request's ``cache_salt`` and LoRA adapter), at most ``tr_tenants`` of them
+(the least recently used dropped whole). A request whose tenant is None
+(``isolation`` "request", or its own opt-out) drafts from a matrix of its own
+(a row per token it met, over the warm-start matrix when there is one),
+freed when it finishes. The rank hit rates behind the templates are shared:
+they are counts per rank, no text.
 """
 from __future__ import annotations
 
@@ -39,7 +48,8 @@ import numpy as np
 
 from ..budget import best_node_count
 from ..options import Option, SpecPlugConfigError
-from .base import Draft, Proposer, TargetTopK
+from .base import SHARED, Draft, Proposer, RequestInfo, TargetTopK
+from .tenants import Partitions
 
 PAPER_LEVEL_SIZES = (8, 21, 25, 15, 8, 3)
 # Prior hit rate per candidate rank (before measurements; also the "paper"
@@ -83,6 +93,82 @@ def _check_matrix(value: str) -> str | None:
     if value and not os.path.isfile(value):
         return f"no file {value!r}; give the path of a .npy matrix (specplug build-tr)"
     return None
+
+
+class Adjacency:
+    """A tenant's matrix: row t holds the k tokens the target last ranked
+    highest after token t (-1: not seen), grown ROW_GROWTH rows at a time;
+    a copy of the warm-start matrix at first."""
+
+    def __init__(self, k: int, warm: np.ndarray | None = None) -> None:
+        self.k = k
+        self.matrix = (warm.copy() if warm is not None
+                       else np.full((0, k), -1, dtype=np.int32))
+
+    def _ensure_rows(self, max_id: int) -> None:
+        if max_id < self.matrix.shape[0]:
+            return
+        rows = (max_id // ROW_GROWTH + 1) * ROW_GROWTH
+        grown = np.full((rows, self.k), -1, dtype=np.int32)
+        grown[: self.matrix.shape[0]] = self.matrix
+        self.matrix = grown
+
+    def row(self, t: int) -> np.ndarray | None:
+        return self.matrix[t] if 0 <= t < self.matrix.shape[0] else None
+
+    def update(self, input_ids: np.ndarray, topk_ids: np.ndarray) -> None:
+        """Rows ``input_ids`` become ``topk_ids`` (later rows win ties)."""
+        self._ensure_rows(int(max(input_ids.max(), topk_ids.max())))
+        self.matrix[input_ids, : topk_ids.shape[1]] = topk_ids
+
+    def fill_bigrams(self, prev: np.ndarray, nxt: np.ndarray) -> None:
+        """Still-empty rows ``prev`` take ``nxt`` as their first candidate
+        (the most recent occurrence wins)."""
+        self._ensure_rows(int(max(prev.max(), nxt.max())))
+        empty = self.matrix[prev, 0] < 0
+        self.matrix[prev[empty], 0] = nxt[empty]
+
+    def nbytes(self) -> int:
+        return int(self.matrix.nbytes)
+
+
+class PrivateAdjacency(Adjacency):
+    """One request's own matrix: the rows it wrote (a dict: a request meets
+    few of the vocabulary's tokens), over the warm-start matrix (read only)."""
+
+    def __init__(self, k: int, warm: np.ndarray | None = None) -> None:
+        self.k = k
+        self.warm = warm
+        self.rows: dict[int, np.ndarray] = {}
+
+    def row(self, t: int) -> np.ndarray | None:
+        r = self.rows.get(t)
+        if r is None and self.warm is not None and 0 <= t < self.warm.shape[0]:
+            return self.warm[t]
+        return r
+
+    def _set(self, t: int, values) -> None:
+        r = self.row(t)
+        r = np.full(self.k, -1, dtype=np.int32) if r is None else r.copy()
+        r[: len(values)] = values
+        self.rows[t] = r
+
+    def update(self, input_ids: np.ndarray, topk_ids: np.ndarray) -> None:
+        for t, values in zip(input_ids.tolist(), topk_ids.tolist()):
+            self._set(t, values)
+
+    def fill_bigrams(self, prev: np.ndarray, nxt: np.ndarray) -> None:
+        empty = [(int(p), int(n)) for p, n in zip(prev.tolist(), nxt.tolist())
+                 if (r := self.row(p)) is None or r[0] < 0]
+        for p, n in empty:
+            r = self.rows.get(p)
+            if r is None:
+                self._set(p, [n])
+            else:
+                r[0] = n
+
+    def nbytes(self) -> int:
+        return (4 * self.k + 100) * len(self.rows)
 
 
 def rank_rates(prior: np.ndarray, hits: np.ndarray, total: float, k: int) -> np.ndarray:
@@ -238,9 +324,14 @@ class TokenRecyclingProposer(Proposer):
         Option("tr_prompt_bigrams", bool, True,
                "fill still-empty rows from the prompt's own bigrams at request start"),
         Option("tr_save_matrix", str, "",
-               "save the matrix (.npy) to this path every 512 updates and whenever no "
+               "save the matrix (.npy; with tenants, that of requests without a cache_salt "
+               "or LoRA adapter) to this path every 512 updates and whenever no "
                "request is active (atomic replace); reload it with tr_matrix",
                check=_check_save_path),
+        Option("tr_tenants", int, 8,
+               "tenants (cache_salt and LoRA adapter pairs) whose matrices are kept (the "
+               "least recently used dropped beyond this); each costs up to vocabulary "
+               "size x tr_topk x 4 bytes", minimum=1, maximum=1024),
     )
 
     @classmethod
@@ -277,7 +368,7 @@ class TokenRecyclingProposer(Proposer):
     def __init__(self, num_speculative_tokens: int, tr_topk: int = 8,
                  tr_template: str = "auto", tr_matrix: str = "",
                  tr_prompt_bigrams: bool = True, tr_save_matrix: str = "",
-                 auto_budget: bool = False) -> None:
+                 tr_tenants: int = 8, auto_budget: bool = False) -> None:
         self.save_path = tr_save_matrix
         self.budget = int(num_speculative_tokens)
         self.auto_budget = bool(auto_budget)
@@ -285,8 +376,13 @@ class TokenRecyclingProposer(Proposer):
         self.target_topk_k = self.k
         self.template_kind = tr_template
         self.prompt_bigrams = bool(tr_prompt_bigrams)
-        self.matrix = (load_matrix(tr_matrix, self.k) if tr_matrix
-                       else np.full((0, self.k), -1, dtype=np.int32))
+        # the operator's warm-start matrix (None: start empty)
+        self.warm = load_matrix(tr_matrix, self.k) if tr_matrix else None
+        # tenant key -> its matrix
+        self.parts: Partitions[Adjacency] = Partitions(
+            lambda: Adjacency(self.k, self.warm), int(tr_tenants))
+        # req_id -> (tenant key, the matrix it drafts from)
+        self._adj: dict[str, tuple[object, Adjacency]] = {}
         self.fixed_template = (load_template(tr_template, self.k)
                                if tr_template not in ("auto", "paper") else None)
         self.rank_hits = np.zeros(self.k + 1)   # last slot: not among the candidates
@@ -297,31 +393,31 @@ class TokenRecyclingProposer(Proposer):
         self.stats = {"drafts": 0, "nodes": 0, "matrix_updates": 0, "topk_misaligned": 0}
 
     # ------------------------------------------------------------ matrix
-    def _ensure_rows(self, max_id: int) -> None:
-        if max_id < self.matrix.shape[0]:
-            return
-        rows = (max_id // ROW_GROWTH + 1) * ROW_GROWTH
-        grown = np.full((rows, self.k), -1, dtype=np.int32)
-        grown[: self.matrix.shape[0]] = self.matrix
-        self.matrix = grown
+    @property
+    def matrix(self) -> np.ndarray:
+        """The default tenant's matrix (requests without a ``cache_salt`` or
+        LoRA adapter; every request with ``isolation`` "none")."""
+        return self.parts.get(()).matrix
 
-    def update(self, input_ids: np.ndarray, topk_ids: np.ndarray) -> None:
-        """Rows ``input_ids`` become the target's top-k (later rows win ties)."""
+    def update(self, input_ids: np.ndarray, topk_ids: np.ndarray,
+               adj: Adjacency | None = None) -> None:
+        """Rows ``input_ids`` of ``adj`` (default: the default tenant's
+        matrix) become the target's top-k (later rows win ties)."""
         input_ids = np.asarray(input_ids, dtype=np.int64)
         if input_ids.size == 0:
             return
         topk_ids = np.asarray(topk_ids)[:, : self.k]
-        self._ensure_rows(int(max(input_ids.max(), topk_ids.max())))
-        self.matrix[input_ids, : topk_ids.shape[1]] = topk_ids
+        (adj or self.parts.get(())).update(input_ids, topk_ids)
         self.stats["matrix_updates"] += int(input_ids.size)
 
-    def _record_transitions(self, prev: int, committed: Sequence[int]) -> None:
+    def _record_transitions(self, adj: Adjacency, prev: int,
+                            committed: Sequence[int]) -> None:
         """Which rank of the previous token's row each committed token had."""
-        rows = self.matrix.shape[0]
         for t in committed:
             t = int(t)
-            if 0 <= prev < rows:
-                hit = np.flatnonzero(self.matrix[prev] == t)
+            row = adj.row(prev)
+            if row is not None:
+                hit = np.flatnonzero(row == t)
                 self.rank_hits[hit[0] if hit.size else self.k] += 1
                 self.transitions += 1
             prev = t
@@ -356,20 +452,28 @@ class TokenRecyclingProposer(Proposer):
         return ranks, parents, values
 
     # ------------------------------------------------------------ proposer API
-    def start(self, req_id: str, token_ids: Sequence[int]) -> None:
+    def start(self, req_id: str, token_ids: Sequence[int],
+              info: RequestInfo = SHARED) -> None:
         ids = np.asarray(token_ids, dtype=np.int64)
         if ids.size == 0:
             return
+        if info.tenant is None:
+            adj = PrivateAdjacency(self.k, self.warm)
+        else:
+            adj = self.parts.get(info.tenant)
+        self._adj[req_id] = (info.tenant, adj)
         self._last[req_id] = int(ids[-1])
         if self.prompt_bigrams and ids.size > 1:
-            self._ensure_rows(int(ids.max()))
-            prev, nxt = ids[:-1], ids[1:]
-            empty = self.matrix[prev, 0] < 0
-            # most recent occurrence wins (later assignments overwrite)
-            self.matrix[prev[empty], 0] = nxt[empty]
+            adj.fill_bigrams(ids[:-1], ids[1:])
 
     def observe(self, req_id: str, committed_ids: Sequence[int],
                 target_topk: TargetTopK | None = None) -> None:
+        held = self._adj.get(req_id)
+        if held is None:   # never started (or no tokens): nothing to learn into
+            return
+        tenant, adj = held
+        if tenant is not None:
+            self.parts.get(tenant, create=False)   # in use: the least recently used last
         prev = self._last.get(req_id, -1)
         # (at a request's start the first sampled token is already in its
         # state, so only later steps can be checked)
@@ -379,10 +483,10 @@ class TokenRecyclingProposer(Proposer):
             # the first scored position must be the last committed token
             self.stats["topk_misaligned"] += 1
         if committed_ids:
-            self._record_transitions(prev, committed_ids)
+            self._record_transitions(adj, prev, committed_ids)
             self._last[req_id] = int(committed_ids[-1])
         if target_topk is not None:
-            self.update(target_topk.input_ids, target_topk.token_ids)
+            self.update(target_topk.input_ids, target_topk.token_ids, adj)
             self._updates += 1
             if self.save_path and self._updates % SAVE_EVERY == 0:
                 self.save_matrix(self.save_path)
@@ -393,7 +497,8 @@ class TokenRecyclingProposer(Proposer):
     def propose(self, req_id: str, budget: int) -> Draft:
         root = self._last.get(req_id)
         budget = min(budget, self.budget)
-        if root is None or budget <= 0 or root >= self.matrix.shape[0]:
+        adj = self._adj[req_id][1] if req_id in self._adj else None
+        if root is None or budget <= 0 or adj.row(root) is None:
             return Draft.empty()
         ranks, parents, values = self.template(budget)
         if self.auto_budget:
@@ -406,12 +511,11 @@ class TokenRecyclingProposer(Proposer):
         n = ranks.size
         values = np.asarray(values[:n], dtype=np.float32)
         tokens = np.full(n, -1, dtype=np.int64)
-        rows = self.matrix.shape[0]
         for i in range(n):
             p = parents[i]
-            src = root if p < 0 else tokens[p]
-            if 0 <= src < rows:
-                tokens[i] = self.matrix[src, ranks[i]]
+            row = adj.row(int(root if p < 0 else tokens[p]))
+            if row is not None:
+                tokens[i] = row[ranks[i]]
         keep = tokens >= 0
         if not keep.all():
             # drop nodes whose own or an ancestor's row was empty
@@ -435,6 +539,7 @@ class TokenRecyclingProposer(Proposer):
         return Draft(tokens.astype(np.int32), parents_out, values)
 
     def finish(self, req_id: str) -> None:
+        self._adj.pop(req_id, None)
         if self._last.pop(req_id, None) is not None and not self._last and self.save_path:
             self.save_matrix(self.save_path)
 
@@ -442,20 +547,28 @@ class TokenRecyclingProposer(Proposer):
         return len(self._last)
 
     def structure_sizes(self) -> dict[str, int]:
-        return {"tr_requests": len(self._last), "tr_template_cache": len(self._template_cache)}
+        return {"tr_requests": len(self._last), "tr_template_cache": len(self._template_cache),
+                "tr_private_matrices": sum(1 for t, _ in self._adj.values() if t is None)}
 
     def state_nbytes(self) -> int:
-        """Per-request state only (the shared matrix: ``matrix_nbytes``)."""
-        return 16 * len(self._last)
+        """Per-request state (requests' own matrices included; the tenants'
+        matrices: ``matrix_nbytes``)."""
+        return 16 * len(self._last) + sum(adj.nbytes() for t, adj in self._adj.values()
+                                          if t is None)
 
     def matrix_nbytes(self) -> int:
+        """Bytes of the default tenant's matrix."""
         return int(self.matrix.nbytes)
 
     def debug_stats(self) -> dict:
-        return {**self.stats, "matrix_rows": int(self.matrix.shape[0]),
-                "matrix_bytes": self.matrix_nbytes(),
+        default = self.parts.peek(())   # read without making or touching it
+        matrix = default.matrix if default is not None else Adjacency(self.k).matrix
+        return {**self.stats, "matrix_rows": int(matrix.shape[0]),
+                "matrix_bytes": int(matrix.nbytes),
+                "tenants": len(self.parts),
+                "tenant_matrices_bytes": sum(a.nbytes() for a in self.parts.values()),
                 # equal on every tensor-parallel rank (they see the same top-k)
-                "matrix_crc32": zlib.crc32(np.ascontiguousarray(self.matrix).data),
+                "matrix_crc32": zlib.crc32(np.ascontiguousarray(matrix).data),
                 "rank_rates": [round(float(x), 4) for x in self.rates()]}
 
     def save_matrix(self, path: str) -> None:

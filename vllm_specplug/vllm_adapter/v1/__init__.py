@@ -4,7 +4,8 @@
 attention backend) it changes. ``install()`` (the ``vllm.general_plugins``
 entry point, run in every vLLM process) checks the version and that every
 patch target exists (``check_targets``: a missing one raises, naming it), and
-applies the process-0 patches; worker patches are applied when the runner
+applies the process-0 and scheduler patches (engine arguments, cache_salt sent to
+the workers, request options checked); worker patches are applied when the runner
 builds our drafter.
 """
 from __future__ import annotations
@@ -105,8 +106,23 @@ FLASH_TREE_BACKEND_PATCH = BackendOverride(
     why="tree drafts on CUDA: FLASH_ATTN with tree rows through our Triton "
         "ancestor-masked kernel (not yet run on a GPU)")
 
-PATCHES = (ENGINE_ARGS_PATCH, RUNNER_PATCH, REQUEST_REMOVED_PATCH, AUX_HIDDEN_PATCH,
-           SAMPLE_PATCH, CPU_EXPAND_PATCH, TREE_PREPARE_PATCH, CPU_TREE_BACKEND_PATCH,
+NEW_REQUEST_SALT_PATCH = Patch(
+    name="NewRequestData.from_request",
+    module="vllm.v1.core.sched.output", cls="NewRequestData", attr="from_request",
+    make=_lazy(".tenancy", "make_from_request"),
+    why="send each request's cache_salt to the workers, where sam's global store and "
+        "Token Recycling's matrix are kept apart by it (docs/security.md)")
+
+EXTRA_ARGS_PATCH = Patch(
+    name="SamplingParams._verify_extra_args",
+    module="vllm.sampling_params", cls="SamplingParams", attr="_verify_extra_args",
+    make=_lazy(".tenancy", "make_verify_extra_args"),
+    why="refuse a malformed extra_args['specplug'] (the per-request opt-out of "
+        "cross-request memory) where vLLM validates the request")
+
+PATCHES = (ENGINE_ARGS_PATCH, NEW_REQUEST_SALT_PATCH, EXTRA_ARGS_PATCH, RUNNER_PATCH,
+           REQUEST_REMOVED_PATCH, AUX_HIDDEN_PATCH, SAMPLE_PATCH, CPU_EXPAND_PATCH,
+           TREE_PREPARE_PATCH, CPU_TREE_BACKEND_PATCH,
            FLASH_TREE_BACKEND_PATCH)
 
 
@@ -120,6 +136,8 @@ def install() -> None:
     check_vllm_version()
     check_targets()
     apply(ENGINE_ARGS_PATCH)
+    apply(NEW_REQUEST_SALT_PATCH)
+    apply(EXTRA_ARGS_PATCH)
 
 
 def install_worker_patches() -> None:

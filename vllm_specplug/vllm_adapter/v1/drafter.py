@@ -32,11 +32,11 @@ from ...budget import (SAVE_EVERY, AcceptanceCalibration, StepCostModel,
                       allocate_batch_exploring, expected_accepted, load_prior, save_fit,
                       subset)
 from ... import faults
-from ...config import ADDITIONAL_CONFIG_KEY, build_proposer
-from ...proposers.base import Draft
+from ...config import ADDITIONAL_CONFIG_KEY, ISOLATION_KEY, build_proposer
+from ...proposers.base import Draft, start_request
 from ...tree import depths
 from ...warmup import warm_up
-from . import stats_export
+from . import stats_export, tenancy
 from .drafter_state import DrafterState
 from .step_state import StepTrees, bind_tree_layers
 
@@ -130,6 +130,12 @@ class SpecPlugDrafter(DrafterState):
         self.trees: dict[str, Draft] = {}
         # req_id -> (number of tokens observed, last token observed)
         self._seen: dict[str, tuple[int, int]] = {}
+        # which requests share cross-request memory (tenancy, docs/security.md):
+        # the mode, each request's cache_salt until the runner removes its
+        # state, and the requests freed when they left the batch (preempted)
+        self.isolation = plugin.get(ISOLATION_KEY, "salt")
+        self._salts: dict[str, Any] = {}
+        self._preempted: set[str] = set()
         self._row_req_ids: Sequence[str] | None = None
         # The model runner (set by the runner patch each step), for proposers
         # that read the runner's block table and KV cache (del).
@@ -226,6 +232,7 @@ class SpecPlugDrafter(DrafterState):
         request ids by row and, for hooks that read them (eagle2), the
         target's hidden states of this step."""
         self._row_req_ids = req_ids
+        tenancy.note_new_requests(scheduler_output, self._salts)
         if self.target_hook is not None and isinstance(sampled_token_ids, list):
             try:
                 self.target_hook.begin_step(self.runner, hidden_states, sampled_token_ids, req_ids,
@@ -279,6 +286,7 @@ class SpecPlugDrafter(DrafterState):
                 self._request_fault(req_id, e)
                 proposed.append(Draft.empty())
         for req_id in [r for r in self._seen if r not in live]:
+            self._preempted.add(req_id)
             self._forget(req_id)
         self._step_req_ids = req_ids
         try:
@@ -364,7 +372,9 @@ class SpecPlugDrafter(DrafterState):
                 self._hook = "finish"
                 self.proposer.finish(req_id)
             self._hook = "start"
-            self.proposer.start(req_id, token_ids_cpu[row, :n].tolist())
+            info = tenancy.request_info(self.runner, req_id, self._salts, self.isolation)
+            self._preempted.discard(req_id)
+            start_request(self.proposer, req_id, token_ids_cpu[row, :n].tolist(), info)
             if topk is not None:
                 self._hook = "observe"
                 self.proposer.observe(req_id, [], topk)
@@ -459,16 +469,26 @@ class SpecPlugDrafter(DrafterState):
     def finish_request(self, req_id: str) -> None:
         """The request finished or was aborted (runner hook; preempted requests
         only leave the batch and are freed by ``_forget``)."""
+        self._salts.pop(req_id, None)
         if req_id in self._faulted:
             # its state was freed at the fault; complete() lets the proposer
             # drop what it keeps past a finish (sam: the prompt length)
             del self._faulted[req_id]
+            self._preempted.discard(req_id)
             try:
                 self.proposer.complete(req_id)
             except Exception:  # noqa: BLE001 - the request's fault was counted
                 logger.debug("vllm_specplug: %s's complete raised for request %s after "
                              "its fault", self.method, req_id, exc_info=True)
             return
+        if req_id in self._preempted:
+            # freed when it left the batch, now finished or aborted: the
+            # proposer drops what it kept over the preemption (sam: the
+            # prompt length)
+            self._preempted.discard(req_id)
+            if req_id not in self._seen:
+                self._complete(req_id)
+                return
         if req_id in self._seen and self._complete(req_id):
             self._forget(req_id, finished=True)
 

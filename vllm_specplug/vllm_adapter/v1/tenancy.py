@@ -1,0 +1,148 @@
+"""Which cross-request memory a request may use (docs/security.md).
+
+``sam``'s global store and Token Recycling's adjacency draft one request from
+other requests' text; acceptance (so latency) then tells a request whether
+someone else recently produced the text it is producing. The proposers keep
+that memory apart by ``RequestInfo.tenant``; this module makes the key:
+
+* ``isolation`` "salt" (default): the request's ``cache_salt`` and LoRA
+  adapter name (vLLM keys its prefix cache by both); requests with neither
+  share the key ``()``;
+* ``isolation`` "none": ``()`` for every request (one shared memory);
+* ``isolation`` "request": None for every request (no cross-request memory);
+* a request with ``SamplingParams.extra_args = {"specplug_share": False}``
+  (through the OpenAI server: ``"vllm_xargs": {"specplug_share": 0}``, whose
+  values cannot be objects or booleans) gets None whatever the mode: it
+  neither reads nor feeds shared memory.
+
+vLLM 0.32 does not send ``cache_salt`` to the workers (the scheduler hashes
+it into block hashes only), so ``make_from_request`` (a patch of
+``NewRequestData.from_request``, applied in every process) copies it onto
+the ``NewRequestData`` the worker receives as ``specplug_cache_salt``;
+``note_new_requests`` keeps it per request until the runner removes the
+request's state. ``make_verify_extra_args`` (a patch of
+``SamplingParams._verify_extra_args``) refuses a malformed
+``"specplug_share"`` (or any other ``specplug`` key) where vLLM validates the
+request, so it fails before it is served.
+"""
+from __future__ import annotations
+
+from typing import Any, Hashable
+
+from ...config import ISOLATION_MODES
+from ...proposers.base import RequestInfo
+
+#: Prefix of this plugin's ``SamplingParams.extra_args`` keys.
+REQUEST_PREFIX = "specplug"
+#: ``extra_args["specplug_share"]``: False (or 0): no cross-request memory.
+SHARE_KEY = "specplug_share"
+#: The values it takes (0 and 1: the OpenAI server's ``vllm_xargs`` turns
+#: JSON booleans into integers).
+SHARE_VALUES = (True, False, 1, 0)
+#: The attribute ``make_from_request`` adds to ``NewRequestData``.
+SALT_ATTR = "specplug_cache_salt"
+#: A request whose ``NewRequestData`` the drafter did not see with a salt.
+_UNKNOWN = object()
+#: Key in the drafter's salts once a scheduler output was seen (before: a
+#: drafter driven without vLLM's scheduler, whose requests have no salt).
+_SCHEDULED = object()
+
+
+def _valid_share(value: Any) -> bool:
+    return type(value) in (bool, int) and value in SHARE_VALUES
+
+
+def check_extra_args(extra_args: Any) -> None:
+    """Raise ``ValueError`` naming what to change when the request's
+    ``extra_args`` has a ``specplug`` key other than ``specplug_share``, or
+    that key with a value other than true, false, 1 or 0."""
+    if not isinstance(extra_args, dict):
+        return
+    how = (f'e.g. SamplingParams(extra_args={{"{SHARE_KEY}": False}}), or through the '
+           f'OpenAI server "vllm_xargs": {{"{SHARE_KEY}": 0}}')
+    unknown = sorted(k for k in extra_args
+                     if isinstance(k, str) and k.startswith(REQUEST_PREFIX) and k != SHARE_KEY)
+    if unknown:
+        raise ValueError(f"extra_args has unknown vllm_specplug keys {unknown}; the only one is "
+                         f"{SHARE_KEY!r} (false: this request neither reads nor feeds "
+                         f"cross-request memory), {how}")
+    if SHARE_KEY in extra_args and not _valid_share(extra_args[SHARE_KEY]):
+        raise ValueError(f"extra_args[{SHARE_KEY!r}] must be true or false (1 or 0), got "
+                         f"{extra_args[SHARE_KEY]!r}; {how}")
+
+
+def shares(sampling_params: Any) -> bool:
+    """False when the request opted out (``specplug_share`` false or 0; a
+    value that is not one of ``SHARE_VALUES``, refused by vLLM's validation
+    with our patch, counts as opted out too: the safe side)."""
+    if sampling_params is None:
+        return True
+    extra = sampling_params.extra_args
+    if not extra or SHARE_KEY not in extra:
+        return True
+    value = extra[SHARE_KEY]
+    return _valid_share(value) and bool(value)
+
+
+def tenant_key(mode: str, salt: str | None, lora: str | None, share: bool) -> Hashable | None:
+    """``RequestInfo.tenant`` for an ``isolation`` mode (module doc)."""
+    if mode not in ISOLATION_MODES:
+        raise ValueError(f"isolation must be one of {ISOLATION_MODES}, got {mode!r}")
+    if mode == "request" or not share:
+        return None
+    if mode == "none" or (salt is None and lora is None):
+        return ()
+    return (salt, lora)
+
+
+def note_new_requests(scheduler_output: Any, salts: dict) -> None:
+    """Keep the ``cache_salt`` of this step's new requests (dropped by the
+    drafter when the runner removes the request's state)."""
+    if scheduler_output is None:   # driven without vLLM's scheduler (unit tests)
+        return
+    salts[_SCHEDULED] = True
+    for new in scheduler_output.scheduled_new_reqs:
+        salts[new.req_id] = getattr(new, SALT_ATTR, _UNKNOWN)
+
+
+def request_info(runner: Any, req_id: str, salts: dict, mode: str) -> RequestInfo:
+    """What ``Proposer.start`` learns of a request: its tenant key and prompt
+    length, from the runner's request state (``CachedRequestState``)."""
+    if runner is None:   # a drafter driven without vLLM's runner (unit tests)
+        return RequestInfo(tenant=tenant_key(mode, None, None, True))
+    state = runner.requests[req_id]
+    salt = None
+    if mode == "salt":
+        salt = salts.get(req_id, _UNKNOWN if _SCHEDULED in salts else None)
+        if salt is _UNKNOWN:
+            raise RuntimeError(
+                f"vllm_specplug: no cache_salt was recorded for request {req_id} (the patch "
+                f"of NewRequestData.from_request did not run in the scheduler's process); "
+                f"it drafts without cross-request memory")
+    lora = state.lora_request.lora_name if state.lora_request is not None else None
+    return RequestInfo(tenant=tenant_key(mode, salt, lora, shares(state.sampling_params)),
+                       num_prompt_tokens=int(state.num_prompt_tokens))
+
+
+# ------------------------------------------------------------------ patches
+def make_from_request(original):
+    """``NewRequestData.from_request`` (a classmethod) that also copies the
+    request's ``cache_salt`` (``Request.cache_salt``) to the worker."""
+    func = original.__func__
+
+    def from_request(cls, request, *args, **kwargs):
+        new = func(cls, request, *args, **kwargs)
+        setattr(new, SALT_ATTR, request.cache_salt)
+        return new
+
+    return classmethod(from_request)
+
+
+def make_verify_extra_args(original):
+    """``SamplingParams._verify_extra_args`` that also refuses a malformed
+    ``extra_args["specplug_share"]`` (vLLM answers a ValueError with a 400)."""
+    def _verify_extra_args(self) -> None:
+        original(self)
+        check_extra_args(self.extra_args)
+
+    return _verify_extra_args
