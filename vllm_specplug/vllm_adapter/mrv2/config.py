@@ -1,0 +1,107 @@
+"""Our ``SpeculatorConfig`` for vLLM 0.34: one class for every method name
+the adapter registers (``mrv2.method_names``).
+
+vLLM builds ``SpeculativeConfig`` with ``method="sam"`` moved to
+``custom_method`` and calls ``configure`` then ``apply_options`` in its
+``__post_init__``, in process 0, before the engine starts: a refused method,
+a bad ``speculator_options`` key or value, or a key vLLM 0.34 cannot honour
+raises there with a message naming what to change.
+"""
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from vllm.v1.worker.gpu.spec_decode.speculator_config import SpeculatorConfig
+
+from ...budget import BATCH_BUDGET_KEY, DISABLE_BY_BATCH_SIZE_KEY
+from ...config import translate
+from ...options import SpecPlugConfigError
+from ...registry import get_proposer_class
+from ...scorers.registry import ACCEPTANCE_KEY
+from . import CHAIN_METHODS, REFUSED, REFUSED_USE, SPECULATOR_CLASS_PATH
+
+OPTIONS_KEY = "speculator_options"
+#: Plugin keys of vLLM 0.32/0.33 that vLLM 0.34's runner cannot honour, and why.
+UNSUPPORTED_KEYS = {
+    ACCEPTANCE_KEY: "vLLM 0.34 verifies every draft with its own rejection sampler "
+                    "(its rejection_sample_method setting chooses the rule)",
+    BATCH_BUDGET_KEY: "every one of the step's num_speculative_tokens slots is verified on "
+                      "vLLM 0.34 (shorter drafts are padded), so there is no per-request budget "
+                      "to share out; vLLM's own num_speculative_tokens_per_batch_size sets K "
+                      "by batch size",
+    DISABLE_BY_BATCH_SIZE_KEY: "use vLLM's own num_speculative_tokens_per_batch_size",
+    "num_speculative_tokens": "give it at the top level of speculative_config",
+    "method": "give it at the top level of speculative_config",
+}
+
+
+def plugin_config(spec: Any) -> dict[str, Any]:
+    """The validated plugin configuration (as ``config.translate`` makes it)
+    of a vLLM 0.34 ``SpeculativeConfig`` for one of our methods; raises
+    ``SpecPlugConfigError`` naming the bad key or the refused method."""
+    method = spec.custom_method
+    if method in REFUSED:
+        raise SpecPlugConfigError(
+            f"speculative method {method!r} is not supported on vLLM 0.34: {REFUSED[method]}. "
+            f"Use {REFUSED_USE} for {method!r}, or a method vLLM 0.34 runs here: "
+            f"{', '.join(CHAIN_METHODS)}")
+    if method not in CHAIN_METHODS:
+        raise SpecPlugConfigError(
+            f"vllm_specplug's speculator config was selected for method {method!r}, which "
+            f"it does not serve; its methods on vLLM 0.34: {', '.join(CHAIN_METHODS)}")
+    options = spec.speculator_options
+    if options is None:
+        options = {}
+    if not isinstance(options, dict):
+        raise SpecPlugConfigError(
+            f"speculative_config[{OPTIONS_KEY!r}] must be a JSON object of "
+            f"{method!r}'s keys, e.g. {{\"sam_min_match_len\": 2}}, got {options!r}")
+    for key in options:
+        name = str(key).replace("-", "_")
+        if name in UNSUPPORTED_KEYS:
+            raise SpecPlugConfigError(
+                f"speculative_config[{OPTIONS_KEY!r}][{key!r}] is not supported on vLLM 0.34: "
+                f"{UNSUPPORTED_KEYS[name]}; remove it")
+    if spec.model is not None:
+        raise SpecPlugConfigError(
+            f"speculative_config['model'] is not used by method {method!r} (it drafts from "
+            f"token history, no draft model); remove it")
+    try:
+        _, plugin = translate({"method": method,
+                               "num_speculative_tokens": spec.num_speculative_tokens,
+                               **options})
+    except SpecPlugConfigError as e:
+        raise SpecPlugConfigError(
+            f"speculative_config[{OPTIONS_KEY!r}] (vLLM 0.34 takes method {method!r}'s keys "
+            f"there): {e}") from e
+    return plugin
+
+
+class SpecPlugSpeculatorConfig(SpeculatorConfig):
+    """vllm-specplug's methods on vLLM 0.34's Model Runner V2."""
+
+    base_method: ClassVar[str | None] = None
+    speculator_class: ClassVar[str | None] = SPECULATOR_CLASS_PATH
+    supported_options: ClassVar[frozenset[str]] = frozenset({OPTIONS_KEY})
+    # propose reads every active request's newest tokens each step
+    prefer_dense_token_history: ClassVar[bool] = True
+    # confidences (adaptive verification) come from sam's learned acceptance
+    adaptive_verification_uses_draft_logits: ClassVar[bool] = False
+
+    @classmethod
+    def configure(cls, spec: Any) -> None:
+        method = spec.custom_method
+        if method in REFUSED:
+            plugin_config(spec)   # raises, with the reason
+        super().configure(spec)   # no draft model: the target's configs
+        if spec.num_speculative_tokens is None:
+            default = get_proposer_class(method).default_num_speculative_tokens
+            spec.num_speculative_tokens = int(default)
+
+    @classmethod
+    def apply_options(cls, spec: Any) -> None:
+        plugin_config(spec)
+
+    def hash_factors(self) -> list[Any]:
+        options = self.spec_config.speculator_options or {}
+        return [self.spec_config.custom_method, sorted(options.items(), key=str)]
