@@ -364,8 +364,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="score outputs by the target's mean log-likelihood (default: "
                              "when --temperature > 0)")
         sp.add_argument("--workload", default="spec_bench", choices=sorted(WORKLOAD_NAMES),
-                        help="spec_bench (default), multi_turn, pipeline or agentic (see "
-                             "docs/benchmarks.md, Workloads): session turns run in order with "
+                        help="spec_bench (default), multi_turn, pipeline or agentic (each described "
+                             "in docs/benchmarks.md): session turns run in order with "
                              "each method's own earlier outputs in the context")
         sp.add_argument("--limit", type=int, default=None, metavar="N",
                         help="only the first N sessions (prompts), after --half")
@@ -380,7 +380,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--out", default="bench_results")
         sp.add_argument("--no-plots", action="store_true")
         sp.add_argument("--docs", default=None, metavar="PATH",
-                        help="also write the results as a Markdown page (e.g. docs/benchmarks.md)")
+                        help="also write the results as a Markdown page (a page of its own: "
+                             "docs/benchmarks.md is written by hand)")
         sp.add_argument("--docs-raw", default=None, metavar="PATH",
                         help="with --docs: where the page's raw figures go (default: "
                              "results/benchmarks.json beside the page's docs folder)")
