@@ -16,6 +16,10 @@ Three jobs, in this order:
    would have computed for the bonus tokens.
 3. Tree requests: vLLM's rejection sampler runs, then each tree request's row
    is replaced by tree acceptance and its KV compacted (``tree_runtime``).
+4. Seeded sampled requests (``seeded``): their generators' states are saved
+   before vLLM's rejection sampler draws from them and restored after it;
+   then each such row (tree or chain) is replaced by the replay of plain
+   decoding's draws, so its text is plain decoding's with that seed.
 """
 from __future__ import annotations
 
@@ -46,7 +50,7 @@ def _target_topk(runner, logits: torch.Tensor, spec_meta, k: int) -> dict[str, T
 
 def make_sample(original):
     def _sample(self, logits, spec_decode_metadata):
-        from . import tree_runtime
+        from . import seeded, tree_runtime
         from .runner import our_drafter
 
         drafter = our_drafter(self)
@@ -69,9 +73,24 @@ def make_sample(original):
         rows = None
         if step.requests:
             rows = tree_runtime.tree_logits(logits, spec_decode_metadata, step)
+        # seeded rows: their generators' states before vLLM's sampler draws
+        seeded_rows = seeded.seeded_rows(self, spec_decode_metadata)
+        gens = self.input_batch.sampling_metadata.generators
+        saved = {row: gens[row].get_state() for row in seeded_rows}
         sampler_output = original(self, logits, spec_decode_metadata)
+        for row, state in saved.items():
+            gens[row].set_state(state)
+        tree_rows = set()
         if rows is not None:
-            tree_runtime.accept_trees(self, rows, sampler_output)
+            tree_runtime.accept_trees(self, rows, sampler_output, seeded=set(saved))
+            tree_rows = {tr.row for tr in step.requests}
+        chains = [row for row in seeded_rows if row not in tree_rows]
+        if chains:
+            seeded.replay_chains(self, logits, spec_decode_metadata, chains,
+                                 sampler_output.sampled_token_ids)
+            seeded.recompute_logprobs(self, logits, spec_decode_metadata, sampler_output)
+            step.stats["seeded_chain_steps"] = (step.stats.get("seeded_chain_steps", 0)
+                                                + len(chains))
         step.clear()
         return sampler_output
 

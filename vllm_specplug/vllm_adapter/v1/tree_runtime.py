@@ -385,8 +385,13 @@ def tree_logits(logits: torch.Tensor, spec_meta, step: StepTrees) -> list[torch.
     return out
 
 
-def accept_trees(runner, rows_per_request: list[torch.Tensor], sampler_output) -> None:
-    """Replace tree requests' outputs with tree acceptance, then compact KV."""
+def accept_trees(runner, rows_per_request: list[torch.Tensor], sampler_output,
+                 seeded: set[int] = frozenset()) -> None:
+    """Replace tree requests' outputs with tree acceptance, then compact KV.
+    Requests of the batch rows in ``seeded`` (their generators at the state
+    before the step) replay plain decoding's draws (``seeded.replay_row``)."""
+    from .seeded import replay_row, write_row
+
     sm = runner.input_batch.sampling_metadata
     out = sampler_output.sampled_token_ids
     scorer = runner.drafter.scorer
@@ -398,14 +403,15 @@ def accept_trees(runner, rows_per_request: list[torch.Tensor], sampler_output) -
         draft = Draft(tr.tokens, tr.parents)
         if tr.greedy:
             acc = _GREEDY.accept_argmax(draft, rows.numpy())
+        elif tr.row in seeded:
+            acc = replay_row(runner, tr.row, draft, rows)
+            step.stats["seeded_tree_steps"] = step.stats.get("seeded_tree_steps", 0) + 1
         else:
             probs = _processed_probs(rows, tr.temperature, tr.top_k, tr.top_p)
             acc = (scorer or _REJECTION).accept(draft, probs, None,
                                                 _rng_for(sm, tr.row, step.rng))
-        toks = acc.tokens(draft)
         step.accepted_paths[tr.req_id] = [int(j) for j in acc.path]
-        out[tr.row].fill_(-1)
-        out[tr.row, : len(toks)] = torch.tensor(toks, dtype=out.dtype)
+        write_row(out, tr.row, acc.tokens(draft))
         moves = compaction_moves(acc.path)
         if moves:
             src += tr.slots_of([tr.base + 1 + s for s, _ in moves])
