@@ -4,10 +4,9 @@
 # engine: the 0.34 wheel's vllm._C is a CUDA build and there is no CPU wheel
 # of vLLM newer than 0.32). It leaves the main environment alone.
 #
-#   bash scripts/setup-vllm034.sh                 # builds $SPECPLUG_VLLM034_VENV
-#   bash scripts/test.sh --vllm034                # not a thing: run the tier with
-#   SPECPLUG_VLLM034=1 $SPECPLUG_VLLM034_VENV/bin/python -m pytest -q -p no:cacheprovider \
-#       -m vllm034 tests/test_mrv2_speculator.py tests/test_mrv2_config.py
+#   bash scripts/setup-vllm034.sh      # builds $SPECPLUG_VLLM034_VENV (default /work/.venv-vllm034)
+#   SPECPLUG_FAST_TESTS=1 /work/.venv-vllm034/bin/python -m pytest -q -p no:cacheprovider \
+#       -m vllm034 tests/test_mrv2_speculator.py          # the tier (docs/compatibility.md)
 #
 # What it installs:
 # * torch: vLLM 0.34.0 pins torch==2.14.0 (the CUDA build; it runs on CPU). This

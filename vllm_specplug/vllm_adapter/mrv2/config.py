@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 from vllm.v1.worker.gpu.spec_decode.speculator_config import SpeculatorConfig
 
 from ...budget import BATCH_BUDGET_KEY, DISABLE_BY_BATCH_SIZE_KEY
-from ...config import translate
+from ...config import ISOLATION_KEY, translate
 from ...options import SpecPlugConfigError
 from ...registry import get_proposer_class
 from ...scorers.registry import ACCEPTANCE_KEY
@@ -62,6 +62,20 @@ def plugin_config(spec: Any) -> dict[str, Any]:
             raise SpecPlugConfigError(
                 f"speculative_config[{OPTIONS_KEY!r}][{key!r}] is not supported on vLLM 0.34: "
                 f"{UNSUPPORTED_KEYS[name]}; remove it")
+    options = dict(options)
+    isolation = options.get(ISOLATION_KEY)
+    if isolation is None:
+        # vLLM 0.34's speculators see neither cache_salt nor LoRA adapters nor
+        # extra_args: no tenant can be told apart, so no memory is shared
+        # unless the operator says every request may share it
+        options[ISOLATION_KEY] = "request"
+    elif isolation == "salt":
+        raise SpecPlugConfigError(
+            f"speculative_config[{OPTIONS_KEY!r}][{ISOLATION_KEY!r}] = 'salt' is not supported on "
+            f"vLLM 0.34: its speculators see neither a request's cache_salt nor its LoRA "
+            f"adapter (nor extra_args' specplug_share). Use 'none' (one global store shared by "
+            f"every request) or 'request' (the default here: no cross-request memory); "
+            f"docs/security.md")
     if spec.model is not None:
         raise SpecPlugConfigError(
             f"speculative_config['model'] is not used by method {method!r} (it drafts from "

@@ -30,7 +30,9 @@ proposer's ``relative_token_cost`` is 0 and it drafts as far as it can
 drafts the same tokens from the same history, without a broadcast.
 
 ``on_requests_finished`` completes finished requests (their outputs go to
-sam's global store before the next draft), ``add_request`` forgets what a
+sam's global store before the next draft, with ``isolation`` "none": vLLM
+0.34's speculators cannot tell tenants apart, so by default requests share
+no memory; see ``config.plugin_config``), ``add_request`` forgets what a
 reused request-state slot held, ``reset_state`` forgets everything learned
 (vLLM calls it after the warm-up requests).
 """
@@ -46,7 +48,7 @@ import torch
 from vllm.v1.worker.gpu.spec_decode.speculator import BaseSpeculator
 
 from ...config import build_proposer
-from ...proposers.base import Draft
+from ...proposers.base import Draft, RequestInfo, start_request
 from .config import plugin_config
 
 logger = logging.getLogger("vllm_specplug")
@@ -61,6 +63,9 @@ class SamSpeculator(BaseSpeculator):
         spec = vllm_config.speculative_config
         self.plugin = plugin_config(spec)
         self.method = self.plugin["method"]
+        # cross-request memory (docs/security.md): "none": one for every
+        # request; "request" (the default on 0.34): none (config.plugin_config)
+        self.tenant = () if self.plugin["isolation"] == "none" else None
         self.k = int(spec.num_speculative_tokens)
         self.device = device
         self.req_states = req_states
@@ -229,7 +234,9 @@ class SamSpeculator(BaseSpeculator):
         if req_id in self._slots:
             self._rows.pop(self._slots[req_id], None)
             self.proposer.finish(req_id)
-        self.proposer.start(req_id, history[:stop].tolist())
+        info = RequestInfo(tenant=self.tenant,
+                           num_prompt_tokens=int(self.req_states.prompt_len.np[slot]))
+        start_request(self.proposer, req_id, history[:stop].tolist(), info)
         self.stats["starts"] += 1
         self._slots[req_id] = slot
         self._rows[slot] = (req_id, stop, int(history[stop - 1]) if stop else -2)
