@@ -257,17 +257,21 @@ def run_offline(model: str, method: str, reqs: list[dict], sample_every: int,
     return out
 
 
-def top_growth(snap0, snap1, top: int) -> list[dict]:
-    """The ``top`` sources of growth between two snapshots, by traceback."""
+def top_growth(snap0, snap1, top: int) -> dict:
+    """The ``top`` sources of growth between two snapshots, grouped by
+    traceback and by file, and the total."""
     import tracemalloc
 
     filters = [tracemalloc.Filter(False, tracemalloc.__file__)]
-    diff = snap1.filter_traces(filters).compare_to(snap0.filter_traces(filters), "traceback")
-    out = []
-    for stat in diff[:top]:
-        out.append({"size_diff_kb": round(stat.size_diff / 1e3, 1),
-                    "count_diff": stat.count_diff, "size_kb": round(stat.size / 1e3, 1),
-                    "traceback": [f"{f.filename}:{f.lineno}" for f in stat.traceback][-12:]})
+    snap0, snap1 = snap0.filter_traces(filters), snap1.filter_traces(filters)
+    out: dict = {"total_diff_kb": round(sum(s.size_diff for s in snap1.compare_to(
+        snap0, "filename")) / 1e3, 1)}
+    for key in ("traceback", "filename"):
+        out[f"by_{key}"] = [
+            {"size_diff_kb": round(stat.size_diff / 1e3, 1), "count_diff": stat.count_diff,
+             "size_kb": round(stat.size / 1e3, 1),
+             "where": [f"{f.filename}:{f.lineno}" for f in stat.traceback][-12:]}
+            for stat in snap1.compare_to(snap0, key)[:top]]
     return out
 
 
