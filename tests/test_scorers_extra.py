@@ -383,3 +383,118 @@ def test_example_scorer_is_lossless(fake_entry_points):
 
     tree = ranked_draft([-1, -1, 0, 2])
     assert chi2_pvalue(sample_three(capped, tree, N, seed=5)) > ALPHA
+
+
+# ------------------------------------------------------------- edge cases
+# (each kills mutants that the statistical tests above cannot see; see
+# docs/testing.md)
+
+def test_sampling_an_all_zero_distribution_says_so():
+    from vllm_specplug.scorers.rejection import _sample
+
+    with pytest.raises(ValueError, match="^cannot sample from an all-zero distribution$"):
+        _sample(np.zeros(V), np.random.default_rng(0))
+
+
+def test_rejection_never_accepts_a_token_of_draft_probability_zero():
+    """A sampled child whose draft distribution gives its token probability 0
+    (an inconsistent draft) is rejected, even where the target likes it."""
+    d = Draft(np.array([1, 2]), np.array([-1, -1]))
+    p = np.zeros((3, V))
+    p[0, 1] = p[0, 2] = 0.5
+    p[1:] = 1.0 / V
+    q = np.full((2, V), 0.25)
+    q[0, 1] = 0.0
+    q[0, 0] = 0.5
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        assert RejectionScorer().accept(d, p, q, rng).path in ([], [1])
+
+
+def test_scorers_normalise_their_rows():
+    """Target rows scaled by a constant (unnormalised) give the same decisions;
+    block verification also normalises draft rows (the scorer interface has
+    draft rows normalised, and rejection sampling relies on it)."""
+    rng = np.random.default_rng(3)
+    chain = Draft.chain([1, 2, 0])
+    tree = Draft(np.array([1, 2, 0]), np.array([-1, -1, 0]))
+    p = rng.dirichlet(np.full(V, 0.5), size=4)
+    q = rng.dirichlet(np.ones(V), size=3)
+    got = block_weights(chain.tokens, 3.0 * p, 2.0 * q)
+    want = block_weights(chain.tokens, p, q)
+    for a, b in zip(got[:2] + tuple(got[2]), want[:2] + tuple(want[2])):
+        np.testing.assert_allclose(a, b, rtol=1e-12)
+    for scorer in (BlockScorer(), TypicalScorer(), RejectionScorer()):
+        for d in (chain, tree):
+            for seed in range(20):
+                a = scorer.accept(d, 3.0 * p, q, np.random.default_rng(seed))
+                b = scorer.accept(d, p, q, np.random.default_rng(seed))
+                assert a == b, (scorer.name, seed)
+
+
+def test_block_weights_h0_is_zero_and_certain_chains_are_finite():
+    """h[0] is unused and 0 (as documented); a chain the target is certain of
+    (p_i = 1, every residual empty) has h = 0 inside and 1 at the end, with no
+    0/0."""
+    rows = np.zeros((4, V))
+    rows[0, 1] = rows[1, 2] = rows[2, 3] = rows[3, 4] = 1.0
+    with np.errstate(all="raise"):
+        p, h, _ = block_weights(np.array([1, 2, 3]), rows, None)
+    assert p.tolist() == [1, 1, 1, 1] and h.tolist() == [0, 0, 0, 1]
+    _, h, _ = block_weights(np.array([1, 2]), np.full((3, V), 1 / V), None)
+    assert h[0] == 0 and 0 < h[1] < 1
+
+
+def test_block_falls_back_to_rejection_with_draft_probabilities():
+    d = Draft(np.array([1, 2, 3, 0]), np.array([-1, -1, 0, 2]))
+    rng = np.random.default_rng(1)
+    for _ in range(50):
+        p = rng.dirichlet(np.ones(V), size=len(d) + 1)
+        q = rng.dirichlet(np.ones(V), size=len(d))
+        seed = int(rng.integers(1 << 30))
+        a = BlockScorer().accept(d, p, q, np.random.default_rng(seed))
+        b = RejectionScorer().accept(d, p, q, np.random.default_rng(seed))
+        assert a == b
+
+
+def test_typical_thresholds_by_hand():
+    """min(threshold, alpha * exp(-entropy)), entropy in nats with 0 log 0 = 0,
+    without numpy warnings on zero probabilities; rows are normalised."""
+    import warnings
+
+    from vllm_specplug.scorers.typical import typical_thresholds
+
+    rows = np.array([[0.5, 0.5, 0, 0, 0], [0.1, 0.2, 0.3, 0.4, 0.0], [1, 0, 0, 0, 0]])
+    h = [np.log(2), -sum(x * np.log(x) for x in (0.1, 0.2, 0.3, 0.4)), 0.0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = typical_thresholds(2.0 * rows, 0.4, 0.5)
+    np.testing.assert_allclose(got, np.minimum(0.4, 0.5 * np.exp(-np.array(h))), rtol=1e-12)
+
+
+def test_typical_needs_a_probability_above_the_threshold():
+    # [0.25, 0.75]: alpha * exp(-H) = 0.57 > 0.25, so the threshold 0.25 binds;
+    # a token of probability exactly 0.25 is not above it
+    rows = np.array([[0.25, 0.75, 0, 0, 0], [0.2] * 5])
+    d = Draft.chain([0])
+    loose = TypicalScorer(posterior_threshold=0.25, posterior_alpha=1.0)
+    assert loose.accept(d, rows).path == []
+    assert loose.accept(Draft.chain([1]), rows).path == [0]
+
+
+def test_typical_defaults_are_its_options_defaults():
+    t = TypicalScorer()
+    for opt in TypicalScorer.options:
+        assert getattr(t, opt.name) == opt.default
+
+
+@pytest.mark.parametrize("value, message", [
+    (3, r"^speculative_config\['acceptance'\] must be a scorer name or an object with "
+        r"\"name\" and the scorer's options, got 3; scorers: block, greedy, rejection, typical$"),
+    ("nope", r"^speculative_config\['acceptance'\]\['name'\]: unknown scorer 'nope'; "
+             r"scorers: block, greedy, rejection, typical$"),
+    ({"name": ["x"]}, r"^speculative_config\['acceptance'\]\['name'\]: unknown scorer \['x'\]"),
+])
+def test_acceptance_messages_in_full(value, message):
+    with pytest.raises(SpecPlugConfigError, match=message):
+        scorer_registry.parse_acceptance(value)
