@@ -74,6 +74,7 @@ def main() -> None:
                 raise SystemExit(f"{method}: exit {proc.returncode}")
             res = json.loads(line[2:])
             res["process_seconds"] = time.perf_counter() - t
+            res["log"] = [ln for ln in proc.stderr.splitlines() if "vllm_specplug:" in ln][-6:]
         results.append(res)
         print(f"{method:16s} start {res['engine_start_seconds']:5.1f} s  requests "
               + "  ".join(f"{r['seconds']:.2f} s (TTFT {r['ttft']:.2f})" for r in res["requests"]),

@@ -154,3 +154,64 @@ def test_methods_that_drive_the_target_warm_only_their_sam_part():
     proposer = hybrid.__new__(hybrid)
     proposer.sam = SamProposer(4, sam_global_tokens=0)
     assert driven_part(proposer) is proposer.sam
+
+
+def test_cpu_gemm_warm_up_runs_every_dispatched_layer_for_every_row_count(monkeypatch):
+    """vLLM's CPU GEMM dispatch (oneDNN) builds a primitive per layer and row
+    count on first use; the drafter runs each dispatched layer (``cpu_linear``
+    set) through its own ``quant_method.apply`` for every count a verify
+    step can have, capped at the 32 primitives vLLM keeps per layer."""
+    import torch
+    from vllm.model_executor.layers import linear, vocab_parallel_embedding
+
+    from vllm_specplug.vllm_adapter.v1 import cpu_warmup
+
+    calls = []
+
+    class Method:
+        def apply(self, layer, x, bias=None):
+            calls.append((layer.name, tuple(x.shape), x.dtype, bias is not None))
+
+    class FakeLinear(torch.nn.Module):
+        def __init__(self, name, k, bias, skip_bias_add=False):
+            super().__init__()
+            self.name, self.input_size_per_partition = name, k
+            self.bias = torch.nn.Parameter(torch.zeros(3)) if bias else None
+            self.skip_bias_add, self.quant_method = skip_bias_add, Method()
+            self.cpu_linear = object()
+
+    class FakeHead(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.name, self.embedding_dim, self.quant_method = "head", 16, Method()
+            self.cpu_linear = object()
+
+    monkeypatch.setattr(linear, "LinearBase", FakeLinear)
+    monkeypatch.setattr(vocab_parallel_embedding, "VocabParallelEmbedding", FakeHead)
+    model = torch.nn.Sequential(FakeLinear("qkv", 8, bias=True), FakeLinear("o", 4, bias=False),
+                                FakeLinear("skip", 4, bias=True, skip_bias_add=True),
+                                torch.nn.Linear(2, 2), FakeHead())
+    assert list(cpu_warmup.token_counts(4)) == [1, 2, 3, 4, 5]
+    assert list(cpu_warmup.token_counts(64)) == list(range(1, 33))
+    layers, _ = cpu_warmup.warm_cpu_gemms(model, torch.float32, cpu_warmup.token_counts(4))
+    assert layers == 4   # torch.nn.Linear has no cpu_linear: not vLLM's dispatch
+    assert calls[:5] == [("qkv", (m, 8), torch.float32, True) for m in range(1, 6)]
+    assert {c for c in calls if c[0] == "skip"} == {("skip", (m, 4), torch.float32, False)
+                                                   for m in range(1, 6)}
+    assert [c[1] for c in calls if c[0] == "head"] == [(m, 16) for m in range(1, 6)]
+
+
+def test_drafter_warms_the_cpu_gemms_at_load_model(patch_calls, monkeypatch):
+    from helpers import make_vllm_config
+    from vllm_specplug.vllm_adapter.v1 import cpu_warmup
+    from vllm_specplug.vllm_adapter.v1.drafter import SpecPlugDrafter
+
+    seen = []
+    monkeypatch.setattr(cpu_warmup, "warm_cpu_gemms",
+                        lambda model, dtype, counts: seen.append((model, list(counts))) or (0, 0.0))
+    d = SpecPlugDrafter(make_vllm_config({"method": "sam", "num_speculative_tokens": 6}))
+    d.load_model("model")
+    assert seen == [("model", list(range(1, 8)))]
+    monkeypatch.setenv("VLLM_SPECPLUG_WARMUP", "0")
+    d.load_model("model")
+    assert len(seen) == 1

@@ -45,6 +45,12 @@ _TOPK_ROWS = 8
 _NO_FILES = ("tr_save_matrix", "tr_matrix")
 
 
+def enabled() -> bool:
+    """False when ``VLLM_SPECPLUG_WARMUP=0`` turns the engine-start warm-ups
+    off (this one and the adapter's, e.g. ``vllm_adapter.v1.cpu_warmup``)."""
+    return os.environ.get("VLLM_SPECPLUG_WARMUP", "1") != "0"
+
+
 def twin_plugin(plugin: Mapping[str, Any]) -> dict:
     """The plugin config of the throwaway twin (``config.translate``'s form)."""
     from .proposers.sam import MIN_GLOBAL_TOKENS
@@ -103,7 +109,7 @@ def warm_up(plugin: Mapping[str, Any]) -> float | None:
     not the engine."""
     from .config import build_proposer
 
-    if os.environ.get("VLLM_SPECPLUG_WARMUP", "1") == "0":
+    if not enabled():
         return None
     started = time.perf_counter()
     try:

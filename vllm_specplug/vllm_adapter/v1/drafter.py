@@ -35,6 +35,7 @@ from ... import faults
 from ...config import ADDITIONAL_CONFIG_KEY, ISOLATION_KEY, build_proposer
 from ...proposers.base import Draft, start_request
 from ...tree import depths
+from ...warmup import enabled as warmup_enabled
 from ...warmup import warm_up
 from . import stats_export, tenancy
 from .drafter_state import DrafterState
@@ -205,6 +206,7 @@ class SpecPlugDrafter(DrafterState):
     # vLLM's CPU runner calls this unconditionally; model-free methods ignore it.
     def load_model(self, target_model: Any) -> None:
         self.target_model = target_model
+        self.warm_up_gemms(target_model)
         if self.proposer.drafts_trees or self.route_chains:
             # the model's layers exist now; every decoder attention layer must
             # be ours (else refused here, before any request)
@@ -224,6 +226,25 @@ class SpecPlugDrafter(DrafterState):
             self.target_hook = hook
             if self.faults is not None:
                 self.faults.arm_target_hook(hook)
+
+    def warm_up_gemms(self, target_model: Any) -> None:
+        """On CPU, vLLM's GEMM primitives for every row count a verify step of
+        this method can have are built now, not in the first requests
+        (``cpu_warmup``); a failure costs latency only, so it is logged."""
+        if not warmup_enabled():
+            return
+        from .cpu_warmup import token_counts, warm_cpu_gemms
+
+        try:
+            layers, seconds = warm_cpu_gemms(target_model, self.vllm_config.model_config.dtype,
+                                             token_counts(self.k))
+        except Exception:  # noqa: BLE001 - latency only, never the engine
+            logger.warning("vllm_specplug: warming the CPU GEMM kernels failed; the first "
+                           "requests may build them", exc_info=True)
+            return
+        if layers:
+            logger.info("vllm_specplug: CPU GEMM kernels of %d layers warmed for %d row counts "
+                        "in %.2f s", layers, len(token_counts(self.k)), seconds)
 
     def begin_step(self, req_ids: Sequence[str], scheduler_output: Any,
                    hidden_states: Any = None, sampled_token_ids: Any = None,
