@@ -68,10 +68,9 @@ def parse(text: str) -> list[FaultSpec]:
     return out
 
 
-def from_env(method: str) -> "Injector | None":
-    """The injector for a drafter of ``method`` (None: nothing armed)."""
-    specs = [s for s in parse(os.environ.get(ENV, "")) if s.method in ("*", method)]
-    return Injector(specs) if specs else None
+def check_env() -> None:
+    """Refuse a bad ``VLLM_SPECPLUG_INJECT_FAULT`` before the engine starts."""
+    parse(os.environ.get(ENV, ""))
 
 
 class Injector:

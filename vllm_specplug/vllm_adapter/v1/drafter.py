@@ -546,9 +546,10 @@ class SpecPlugDrafter(DrafterState):
         self.fault_stats["requests"] += 1
         hooks = self.fault_stats["hooks"]
         hooks[hook] = hooks.get(hook, 0) + 1
-        logger.error("vllm_specplug: %s raised in %s for request %s; the request decodes "
-                     "without drafts from now on (its output is unchanged)", self.method,
-                     hook, req_id, exc_info=error)
+        logger.error("vllm_specplug: %s raised in %s for request %s; %s (its output is "
+                     "unchanged)", self.method, hook, req_id,
+                     "it had finished" if finished else
+                     "the request decodes without drafts from now on", exc_info=error)
         if not finished:
             self._faulted[req_id] = None
             if len(self._faulted) > MAX_FAULTED_REQUESTS:

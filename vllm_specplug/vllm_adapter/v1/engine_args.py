@@ -107,8 +107,10 @@ def make_create_speculative_config(original):
                 spec[key] = value
             vllm_kwargs, plugin = plugin_config.translate(
                 spec, tokenizer=target_model_config.tokenizer)
+            from ... import faults
             from .request_options import check_watermark
 
+            faults.check_env()
             check_watermark(self.watermark_config)
             check_pipeline_parallel(
                 plugin, target_parallel_config.pipeline_parallel_size)

@@ -12,6 +12,7 @@ drafter's ``stats()`` there as one JSON object:
   ``state_bytes`` 0 when nothing leaks).
 
 Besides ``stats()`` (``active_requests``, ``state_bytes``, ``errors``,
+``faults`` (proposer faults contained: docs/architecture.md, "Faults"),
 ``trees_held``, step-cost fit, proposer counters) the object has ``pid``
 (the process holding the drafter: watch its memory), ``rank`` (tensor-parallel
 rank), ``time`` (Unix seconds) and ``writes`` (a counter). The file is
