@@ -105,19 +105,32 @@ def test_no_compile_after_warm_up(method, corpus_file):
 
 
 def test_warm_up_leaves_the_real_proposer_alone(tmp_path):
-    """The twin writes no file and the real proposer's state is untouched."""
+    """The twin is a separate SamProposer with the method's SAM options and the
+    smallest store; the real proposer's state is untouched."""
     from vllm_specplug.config import build_proposer, translate
-    from vllm_specplug.warmup import twin_plugin, warm_up
+    from vllm_specplug.warmup import sam_twin, warm_up
 
-    save = tmp_path / "tr.npy"
-    _, plugin = translate({"method": "sam_tr", "tr_save_matrix": str(save)})
-    twin = twin_plugin(plugin)
-    assert twin["options"]["tr_save_matrix"] == "" and twin["options"]["sam_global_tokens"] == 1024
-    assert plugin["options"]["tr_save_matrix"] == str(save)   # the real config unchanged
+    _, plugin = translate({"method": "sam_tr", "sam_min_match_len": 2,
+                           "tr_save_matrix": str(tmp_path / "tr.npy")})
+    twin = sam_twin(plugin)
+    assert twin.min_match_len == 2 and twin.global_store.max_tokens == 1024
+    assert plugin["options"]["sam_global_tokens"] == 500_000   # the real config unchanged
     real = build_proposer(plugin)
     assert warm_up(plugin) is not None
-    assert not save.exists()
+    assert not (tmp_path / "tr.npy").exists()
     assert real.sam.global_store.num_tokens == 0 and real.active_requests() == 0
+
+
+def test_only_methods_with_a_sam_part_are_driven():
+    from vllm_specplug.config import translate
+    from vllm_specplug.warmup import sam_twin
+
+    for method in ("token_recycling", "del", "debug_random_tree"):
+        assert sam_twin(translate({"method": method})[1]) is None
+    plugin = {"method": "sam_eagle2", "num_speculative_tokens": 16,
+              "options": {"sam_global_tokens": 0, "depth": 6}}
+    twin = sam_twin(plugin)
+    assert twin.global_store is None and twin.num_speculative_tokens == 16
 
 
 def test_warm_up_can_be_turned_off(monkeypatch):
@@ -141,19 +154,6 @@ def test_warm_up_failure_is_logged_not_raised(caplog, monkeypatch):
     with caplog.at_level("WARNING", logger="vllm_specplug"):
         assert warmup.warm_up(plugin) is None
     assert "warm-up of sam failed" in caplog.text
-
-
-def test_methods_that_drive_the_target_warm_only_their_sam_part():
-    from vllm_specplug.proposers.sam import SamProposer
-    from vllm_specplug.registry import get_proposer_class
-    from vllm_specplug.warmup import driven_part
-
-    assert driven_part(get_proposer_class("del")(4)) is None
-    hybrid = get_proposer_class("sam_eagle2")
-    assert hybrid.target_hook
-    proposer = hybrid.__new__(hybrid)
-    proposer.sam = SamProposer(4, sam_global_tokens=0)
-    assert driven_part(proposer) is proposer.sam
 
 
 def test_cpu_gemm_warm_up_runs_every_dispatched_layer_for_every_row_count(monkeypatch):
