@@ -337,19 +337,25 @@ def test_a_target_hook_fault_drops_that_steps_drafts(caplog):
     assert len(fault_records(caplog)) == 1
 
 
-# ------------------------------------------------------------ eagle2's hook
+# ---------------------------------------------- eagle2's and del's target hooks
 def test_eagle2_a_faulting_head_call_costs_only_its_requests_drafts(monkeypatch, caplog):
     from test_eagle2_tree import FakeHead
 
     from vllm_specplug.proposers.eagle2 import Eagle2Proposer
 
-    d = make("sam")
-    d.proposer = Eagle2Proposer(K, model="/head", depth=3, topk=2)
-    d.method = "eagle2"
     head = FakeHead(default=lambda path: [(5 + len(path), 0.6), (6 + len(path), 0.3)])
-    d.proposer.bind_target(head)
+    check_target_hook_fault(Eagle2Proposer(K, model="/head", depth=3, topk=2), "eagle2",
+                            head, "root", monkeypatch, caplog)
+
+
+def check_target_hook_fault(proposer, method, hook, call, monkeypatch, caplog):
+    """``proposer`` bound to the fake ``hook`` in a drafter: once ``hook.call``
+    raises for b, b drafts nothing more, a and c draft on."""
+    d = make("sam")
+    d.proposer, d.method = proposer, method
+    proposer.bind_target(hook)
     drv = Driver(d)
-    fault = Fault(monkeypatch, head, "root")
+    fault = Fault(monkeypatch, hook, call)
     assert all(drv.step().values())
     fault.armed = True
     with caplog.at_level(logging.ERROR, logger="vllm_specplug"):
@@ -357,6 +363,32 @@ def test_eagle2_a_faulting_head_call_costs_only_its_requests_drafts(monkeypatch,
     assert all(s["b"] == [] for s in after) and keeps_drafting(after), after
     assert fault.calls_after == 0
     assert_one_request_fault(d, caplog, "propose")
+
+
+class _CycleExitHook:
+    """A DEL target hook whose every exit layer drafts the request's cycle."""
+
+    num_layers = 30
+    head_cost = 0.0
+
+    @staticmethod
+    def _next(t):
+        return t // 10 * 10 + (t % 10 + 1) % 3
+
+    def draft(self, req_id, token, position, exit_layer, max_tokens, threshold, shadow_layers):
+        from vllm_specplug.proposers.early_exit import ExitDraft
+
+        tokens = [self._next(token)]
+        while len(tokens) < max_tokens:
+            tokens.append(self._next(tokens[-1]))
+        return ExitDraft(tokens, {c: tokens[0] for c in shadow_layers})
+
+
+def test_del_a_faulting_exit_draft_costs_only_its_requests_drafts(monkeypatch, caplog):
+    from vllm_specplug.proposers.early_exit import DelProposer
+
+    check_target_hook_fault(DelProposer(K), "del", _CycleExitHook(), "draft",
+                            monkeypatch, caplog)
 
 
 # ----------------------------------------------------- the environment hook
