@@ -353,6 +353,7 @@ def check_target_hook_fault(proposer, method, hook, call, monkeypatch, caplog):
     raises for b, b drafts nothing more, a and c draft on."""
     d = make("sam")
     d.proposer, d.method = proposer, method
+    d.containment.method = method
     proposer.bind_target(hook)
     drv = Driver(d)
     fault = Fault(monkeypatch, hook, call)

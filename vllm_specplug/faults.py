@@ -1,4 +1,4 @@
-"""Fault injection: make a chosen proposer hook raise, to test containment.
+"""Fault containment's bookkeeping, and fault injection to test it.
 
 The adapter contains every exception a proposer raises (docs/architecture.md,
 "Faults"): the request decodes without drafts from then on, the engine and
@@ -21,16 +21,22 @@ method), the N-th call (from 1, counted per drafter) of ``HOOK`` raises
   ``budget`` (the batch-aware budget), ``target_begin_step`` (a target
   hook's per-step features: ``eagle2``, ``del``).
 
-Unset (the default), nothing is wrapped. Plain Python, no vLLM import.
+Unset (the default), nothing is wrapped. :class:`Containment` is what an
+adapter keeps of the faults it contained (counts, the requests that lost
+their drafts, the log lines). Plain Python, no vLLM import.
 """
 from __future__ import annotations
 
+import logging
+import math
 import os
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from .options import SpecPlugConfigError
+
+logger = logging.getLogger("vllm_specplug")
 
 ENV = "VLLM_SPECPLUG_INJECT_FAULT"
 PROPOSER_HOOKS = ("start", "observe", "propose", "draft_cut", "complete", "finish")
@@ -149,3 +155,65 @@ class _CorpusProxy:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._corpus, name)
+
+
+# ------------------------------------------------------------- containment
+#: Requests that faulted and decode without drafts, remembered until they
+#: finish; past this many (requests never reported finished) the oldest go.
+MAX_FAULTED_REQUESTS = 1 << 16
+
+
+class Containment:
+    """What an adapter keeps of the faults it contained (docs/architecture.md,
+    "Faults"); the adapter frees the request's state itself. Counts:
+    ``errors`` (every fault), ``requests`` (requests that lost their drafts),
+    ``steps`` (shared steps that fell back to no drafts), ``hooks`` (faults
+    by hook or site)."""
+
+    def __init__(self, method: str) -> None:
+        self.method = method
+        self.errors = self.requests = self.steps = 0
+        self.hooks: Counter = Counter()
+        # req_id -> None: requests decoding without drafts after a fault
+        self.faulted: dict[str, None] = {}
+
+    def __contains__(self, req_id: str) -> bool:
+        return req_id in self.faulted
+
+    def request_fault(self, req_id: str, hook: str, error: BaseException,
+                      finished: bool = False) -> None:
+        """``hook`` raised for ``req_id``: counted, logged once with the
+        traceback; the request draft nothing more (``finished``: it just
+        finished, nothing to remember)."""
+        self.errors += 1
+        self.requests += 1
+        self.hooks[hook] += 1
+        logger.error("vllm_specplug: %s raised in %s for request %s; %s (its output is "
+                     "unchanged)", self.method, hook, req_id,
+                     "it had finished" if finished else
+                     "the request decodes without drafts from now on", exc_info=error)
+        if not finished:
+            self.faulted[req_id] = None
+            if len(self.faulted) > MAX_FAULTED_REQUESTS:
+                del self.faulted[next(iter(self.faulted))]
+
+    def finished(self, req_id: str) -> bool:
+        """The request finished: forgotten; True when it had faulted."""
+        return self.faulted.pop(req_id, 0) is None
+
+    def shared_fault(self, site: str, error: BaseException) -> None:
+        """A part of the step shared by the batch raised (no drafts this
+        step): counted, logged with the traceback the first time, then at
+        every power of ten of its count."""
+        self.errors += 1
+        self.steps += 1
+        self.hooks[site] += 1
+        n = self.hooks[site]
+        if n == 1 or math.log10(n).is_integer():
+            logger.error("vllm_specplug: %s's %s raised (%d times so far); no drafts this "
+                         "step (outputs are unchanged)", self.method, site, n,
+                         exc_info=error if n == 1 else None)
+
+    def stats(self) -> dict:
+        return {"requests": self.requests, "steps": self.steps, "hooks": dict(self.hooks),
+                "requests_without_drafts": len(self.faulted)}

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import math
 import os
 import platform
 import time
@@ -50,9 +49,6 @@ logger = logging.getLogger("vllm_specplug")
 # EXPLORE_CARRY steps.
 EXPLORE_SHARE = 0.05
 EXPLORE_CARRY = 16
-# Requests that faulted and decode without drafts, remembered until they
-# finish; past this many (requests never reported finished) the oldest go.
-MAX_FAULTED_REQUESTS = 1 << 16
 
 
 def step_cost_cache_path(vllm_config: Any) -> Path | None:
@@ -144,13 +140,9 @@ class SpecPlugDrafter(DrafterState):
         self.target_model = None
         # the object a target-driving proposer drafts through (del, eagle2)
         self.target_hook = None
-        # faults contained (see the module doc): every one counts in
-        # num_errors; requests that lost their drafts, shared steps that fell
-        # back to none, and faults by hook in fault_stats
-        self.num_errors = 0
-        self.fault_stats = {"requests": 0, "steps": 0, "hooks": {}}
-        # req_id -> None: requests decoding without drafts after a fault
-        self._faulted: dict[str, None] = {}
+        # faults contained (see the module doc): counts, and the requests
+        # decoding without drafts after a fault
+        self.containment = faults.Containment(self.method)
         # the proposer hook being called (named in the fault's log line)
         self._hook = ""
         # True: a shared part of this step faulted in begin_step, no drafts
@@ -259,7 +251,7 @@ class SpecPlugDrafter(DrafterState):
                 self.target_hook.begin_step(self.runner, hidden_states, sampled_token_ids, req_ids,
                         scheduler_output, aux_hidden_states=aux_hidden_states)
             except Exception as e:  # noqa: BLE001 - a shared step: no drafts this step
-                self._shared_fault("target_begin_step", e)
+                self.containment.shared_fault("target_begin_step", e)
                 self._step_fault = True
 
     def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec,
@@ -279,7 +271,7 @@ class SpecPlugDrafter(DrafterState):
             # a row's own trade-off: its tokens against its share of the step
             self.proposer.relative_token_cost = self.step_cost.row_token_cost(decoding)
         except Exception as e:  # noqa: BLE001 - a shared step: no drafts this step
-            self._shared_fault("step_cost", e)
+            self.containment.shared_fault("step_cost", e)
             self._last_step = None
             step_fault = True
         # at disable_by_batch_size decoding rows or more nothing is drafted:
@@ -296,7 +288,7 @@ class SpecPlugDrafter(DrafterState):
             req_id = req_ids[row]
             live.add(req_id)
             # partial prefill or discarded row; a request that faulted
-            if not sampled or req_id in self._faulted:
+            if not sampled or req_id in self.containment:
                 proposed.append(Draft.empty())
                 continue
             try:
@@ -313,7 +305,7 @@ class SpecPlugDrafter(DrafterState):
         try:
             proposed = self._fit_to_batch(proposed, decoding)
         except Exception as e:  # noqa: BLE001 - a shared step: no drafts this step
-            self._shared_fault("budget", e)
+            self.containment.shared_fault("budget", e)
             proposed = [self._cut(req_ids[row], d, Draft.empty()) if len(d) else d
                         for row, d in enumerate(proposed)]
         drafts: list[list[int]] = []
@@ -491,10 +483,9 @@ class SpecPlugDrafter(DrafterState):
         """The request finished or was aborted (runner hook; preempted requests
         only leave the batch and are freed by ``_forget``)."""
         self._salts.pop(req_id, None)
-        if req_id in self._faulted:
+        if self.containment.finished(req_id):
             # its state was freed at the fault; complete() lets the proposer
             # drop what it keeps past a finish (sam: the prompt length)
-            del self._faulted[req_id]
             self._preempted.discard(req_id)
             try:
                 self.proposer.complete(req_id)
@@ -542,18 +533,7 @@ class SpecPlugDrafter(DrafterState):
         from now on (``finished``: it just finished), its state is freed (a
         ``finish`` that raises is not called again); logged once, counted."""
         hook, self._hook = self._hook or "adapter", ""
-        self.num_errors += 1
-        self.fault_stats["requests"] += 1
-        hooks = self.fault_stats["hooks"]
-        hooks[hook] = hooks.get(hook, 0) + 1
-        logger.error("vllm_specplug: %s raised in %s for request %s; %s (its output is "
-                     "unchanged)", self.method, hook, req_id,
-                     "it had finished" if finished else
-                     "the request decodes without drafts from now on", exc_info=error)
-        if not finished:
-            self._faulted[req_id] = None
-            if len(self._faulted) > MAX_FAULTED_REQUESTS:
-                del self._faulted[next(iter(self._faulted))]
+        self.containment.request_fault(req_id, hook, error, finished)
         self._seen.pop(req_id, None)
         self.trees.pop(req_id, None)
         self.calibration.forget(req_id)
@@ -564,29 +544,13 @@ class SpecPlugDrafter(DrafterState):
                 logger.debug("vllm_specplug: %s's finish also raised for request %s",
                              self.method, req_id, exc_info=True)
 
-    def _shared_fault(self, site: str, error: BaseException) -> None:
-        """A part of the step shared by the batch raised: no drafts this
-        step. Logged with a traceback the first time, then at every power of
-        ten of its count."""
-        self.num_errors += 1
-        self.fault_stats["steps"] += 1
-        hooks = self.fault_stats["hooks"]
-        n = hooks[site] = hooks.get(site, 0) + 1
-        if n == 1 or math.log10(n).is_integer():
-            logger.error("vllm_specplug: %s's %s raised (%d times so far); no drafts this "
-                         "step (outputs are unchanged)", self.method, site, n,
-                         exc_info=error if n == 1 else None)
-
     # ------------------------------------------------------------ introspection
     def stats(self) -> dict[str, int]:
         a, b = self.step_cost.fit()
         out = {"active_requests": self.proposer.active_requests(),
                "state_bytes": self.proposer.state_nbytes(),
-               "errors": self.num_errors, "trees_held": len(self.trees),
-               "faults": {"requests": self.fault_stats["requests"],
-                          "steps": self.fault_stats["steps"],
-                          "hooks": dict(self.fault_stats["hooks"]),
-                          "requests_without_drafts": len(self._faulted)},
+               "errors": self.containment.errors, "trees_held": len(self.trees),
+               "faults": self.containment.stats(),
                "batch_budget": dict(self.batch_stats),
                "propose_time": dict(self.propose_time),
                "calibration": self.calibration.stats(),
