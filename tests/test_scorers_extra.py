@@ -498,3 +498,16 @@ def test_typical_defaults_are_its_options_defaults():
 def test_acceptance_messages_in_full(value, message):
     with pytest.raises(SpecPlugConfigError, match=message):
         scorer_registry.parse_acceptance(value)
+
+
+def test_a_broken_plugin_scorer_is_named_without_a_guess(fake_entry_points):
+    """A scorer name a plugin registered but failed to load: the message says
+    why and offers no "did you mean" (though "blocks" is close to "block")."""
+    fake_entry_points(_ep("blocks", "no_such_module_xyz:S", SG))
+    with pytest.raises(SpecPlugConfigError) as e:
+        scorer_registry.parse_acceptance("blocks")
+    msg = str(e.value)
+    assert "a plugin registered 'blocks' but it failed to load: ModuleNotFoundError" in msg
+    assert msg.endswith("; scorers: block, greedy, rejection, typical"), msg
+    with pytest.raises(SpecPlugConfigError, match="did you mean 'block'"):
+        scorer_registry.parse_acceptance("blockk")
