@@ -43,8 +43,15 @@ SAMPLING_OPTIONS: dict[str, Option] = {
                     "tests/test_engine_exact_distribution.py"),
     "top_k": Option(TREE, "top-k cut of the target distribution per node",
                     "tests/test_engine_tree.py::test_tree_sampling_matches_plain_sampling"),
-    "seed": Option(TREE, "the request's generator seeds the tree acceptance",
-                   "tests/test_engine_tree.py::test_seeded_tree_sampling_is_reproducible"),
+    "seed": Option(TREE, "plain decoding's text with that seed, for every method, alone, "
+                   "after other traffic or in a batch: trees and chains (vLLM's chain path "
+                   "included) are verified by replaying the request generator's draws "
+                   "position by position (vllm_adapter/v1/seeded.py), whatever the "
+                   "configured acceptance rule; not replayed (vLLM's own verification: "
+                   "lossless, but the text can vary with traffic) when the request also "
+                   "sets thinking_token_budget or logprob_token_ids, or asks for logprobs "
+                   "under --logprobs-mode processed_*",
+                   "tests/test_engine_seed.py"),
     "min_p": Option(REFUSED, "vLLM: 'min_p and logit_bias ... not yet supported with "
                     "speculative decoding'", "tests/test_bad_inputs.py"),
     "logit_bias": Option(REFUSED, "as min_p", "tests/test_bad_inputs.py"),
