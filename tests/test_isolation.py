@@ -320,7 +320,8 @@ def test_drafter_keeps_salted_requests_apart(patch_calls):
     d.runner = SimpleNamespace(requests={r: _State(prompt=2) for r in "abc"})
 
     def step(req_ids, hists, new=()):
-        d.begin_step(list(req_ids), SimpleNamespace(scheduled_new_reqs=list(new)))
+        d.note_scheduler_output(SimpleNamespace(scheduled_new_reqs=list(new)))
+        d.begin_step(list(req_ids), None)
         n, ids = arrays(hists)
         return d.propose([[h[-1]] for h in hists], n, ids)
 

@@ -120,8 +120,16 @@ EXTRA_ARGS_PATCH = Patch(
     why="refuse a malformed extra_args['specplug'] (the per-request opt-out of "
         "cross-request memory) where vLLM validates the request")
 
+UPDATE_STATES_PATCH = Patch(
+    name="GPUModelRunner._update_states",
+    module="vllm.v1.worker.gpu_model_runner", cls="GPUModelRunner", attr="_update_states",
+    make=_lazy(".tenancy", "make_update_states"),
+    why="give the drafter each new request's cache_salt, every step (vLLM skips the "
+        "drafter in some steps)",
+    args=("scheduler_output",))
+
 PATCHES = (ENGINE_ARGS_PATCH, NEW_REQUEST_SALT_PATCH, EXTRA_ARGS_PATCH, RUNNER_PATCH,
-           REQUEST_REMOVED_PATCH, AUX_HIDDEN_PATCH, SAMPLE_PATCH, CPU_EXPAND_PATCH,
+           REQUEST_REMOVED_PATCH, UPDATE_STATES_PATCH, AUX_HIDDEN_PATCH, SAMPLE_PATCH, CPU_EXPAND_PATCH,
            TREE_PREPARE_PATCH, CPU_TREE_BACKEND_PATCH,
            FLASH_TREE_BACKEND_PATCH)
 
@@ -143,6 +151,7 @@ def install() -> None:
 def install_worker_patches() -> None:
     apply(RUNNER_PATCH)
     apply(REQUEST_REMOVED_PATCH)
+    apply(UPDATE_STATES_PATCH)
     apply(AUX_HIDDEN_PATCH)
     apply(SAMPLE_PATCH)
     from vllm.platforms import current_platform

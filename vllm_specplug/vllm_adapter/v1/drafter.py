@@ -245,7 +245,6 @@ class SpecPlugDrafter(DrafterState):
         request ids by row and, for hooks that read them (eagle2), the
         target's hidden states of this step."""
         self._row_req_ids = req_ids
-        tenancy.note_new_requests(scheduler_output, self._salts)
         if self.target_hook is not None and isinstance(sampled_token_ids, list):
             try:
                 self.target_hook.begin_step(self.runner, hidden_states, sampled_token_ids, req_ids,
@@ -478,6 +477,11 @@ class SpecPlugDrafter(DrafterState):
             self.trees[req_id] = Draft(draft.tokens, draft.parent_array())
         else:
             self.trees.pop(req_id, None)
+
+    def note_scheduler_output(self, scheduler_output: Any) -> None:
+        """Called by the runner patch at the start of every step: keep the
+        ``cache_salt`` of the step's new requests (``tenancy``)."""
+        tenancy.note_new_requests(scheduler_output, self._salts)
 
     def finish_request(self, req_id: str) -> None:
         """The request finished or was aborted (runner hook; preempted requests

@@ -19,8 +19,9 @@ vLLM 0.32 does not send ``cache_salt`` to the workers (the scheduler hashes
 it into block hashes only), so ``make_from_request`` (a patch of
 ``NewRequestData.from_request``, applied in every process) copies it onto
 the ``NewRequestData`` the worker receives as ``specplug_cache_salt``;
-``note_new_requests`` keeps it per request until the runner removes the
-request's state. ``make_verify_extra_args`` (a patch of
+``note_new_requests`` (called by a patch of the runner's ``_update_states``,
+which sees every step's new requests, also in steps where vLLM skips the
+drafter) keeps it per request until the runner removes the request's state. ``make_verify_extra_args`` (a patch of
 ``SamplingParams._verify_extra_args``) refuses a malformed
 ``"specplug_share"`` (or any other ``specplug`` key) where vLLM validates the
 request, so it fails before it is served.
@@ -125,6 +126,27 @@ def request_info(runner: Any, req_id: str, salts: dict, mode: str) -> RequestInf
 
 
 # ------------------------------------------------------------------ patches
+#: The arguments of ``GPUModelRunner._update_states`` the wrapper reads.
+UPDATE_STATES_ARGS = ("scheduler_output",)
+
+
+def make_update_states(original):
+    """``GPUModelRunner._update_states`` that first hands the step's scheduler
+    output to our drafter (the salts of its new requests)."""
+    from ..patching import bind
+    from .runner import our_drafter
+
+    arguments = bind(original, UPDATE_STATES_ARGS)
+
+    def _update_states(self, *args, **kwargs):
+        drafter = our_drafter(self)
+        if drafter is not None:
+            drafter.note_scheduler_output(arguments(self, *args, **kwargs)["scheduler_output"])
+        return original(self, *args, **kwargs)
+
+    return _update_states
+
+
 def make_from_request(original):
     """``NewRequestData.from_request`` (a classmethod) that also copies the
     request's ``cache_salt`` (``Request.cache_salt``) to the worker."""
