@@ -117,10 +117,18 @@ def test_expected_accepted():
     assert expected_accepted(Draft.chain([1], np.array([0.7]))) == pytest.approx(0.7)
     tree = Draft(np.array([1, 2, 3]), np.array([-1, 0, -1]), np.array([0.5, 0.9, 0.2]))
     assert expected_accepted(tree) == pytest.approx(0.5 + 0.5 + 0.2)  # child capped by parent
+    # capped by its parent, not by the node before it
+    tree = Draft(np.array([1, 2, 3]), np.array([-1, -1, 1]), np.array([0.2, 0.9, 0.8]))
+    assert expected_accepted(tree) == pytest.approx(0.2 + 0.9 + 0.8)
 
 
 def test_calibration_evicts_the_oldest_pending_draft(monkeypatch):
     monkeypatch.setattr(AcceptanceCalibration, "MAX_PENDING", 3)
+    c = AcceptanceCalibration()
+    c.expect("a", 1.0)
+    c.expect("b", 1.0)
+    c.expect("a", 1.0)                 # a new draft of "a" is the newest
+    assert list(c.pending) == ["b", "a"]
     c = AcceptanceCalibration()
     for r in ("a", "b", "c"):
         c.expect(r, 1.0)
@@ -170,3 +178,39 @@ def test_bad_batch_budget_mode_lists_the_modes():
     with pytest.raises(SpecPlugConfigError,
                        match=r"must be one of 'auto', 'off', got 'on'$"):
         pop_batch_options({"batch_budget": "on"})
+
+
+def test_token_costs_default_to_one_row():
+    m = StepCostModel(1.0, 0.25)
+    assert m.relative_token_cost() == pytest.approx(0.25 / 1.25) == m.row_token_cost()
+    assert m.row_token_cost(4) == pytest.approx(4 * 0.25 / 2.0)
+
+
+def _chain(scores):
+    return Draft.chain(list(range(len(scores))), np.array(scores))
+
+
+@pytest.mark.parametrize("last, kept", [(0.2, 3), (0.18, 2)])
+def test_unscored_drafts_count_their_tokens(last, kept):
+    """rows 2 + an unscored draft of 4 tokens: bars 0.125, 0.171, 0.189 for the
+    scored chain's nodes (a = 1, b = 0.1)."""
+    unscored = Draft.chain([7, 7, 7, 7])
+    out = budget.allocate_batch([unscored, _chain([0.9, 0.5, last])], 1.0, 0.1, rows=2)
+    assert len(out[0]) == 4 and len(out[1]) == kept
+
+
+def test_calibrated_values_are_capped_at_one():
+    """scale 1.5: node 0's value is 1 (not 1.35), so node 1 (0.12 * 1.5 = 0.18)
+    beats the bar 2 * 0.1 / 1.2 = 0.167 (a = 1, b = 0.1, one row)."""
+    out = budget.allocate_batch([_chain([0.9, 0.12])], 1.0, 0.1, rows=1, scale=1.5)
+    assert len(out[0]) == 2
+
+
+def test_a_node_exactly_at_the_bar_is_not_taken_nor_explored_at_the_margin():
+    # a = b = 1, one row: the bar is 1 / 2; the margin 0.5 of it is 0.25
+    assert len(budget.allocate_batch([_chain([0.5])], 1.0, 1.0, rows=1)[0]) == 0
+    assert len(budget.allocate_batch([_chain([0.51])], 1.0, 1.0, rows=1)[0]) == 1
+    out, explored = budget.allocate_batch_exploring([_chain([0.25])], 1.0, 1.0, 1, explore=1)
+    assert len(out[0]) == 0 and explored == 0
+    out, explored = budget.allocate_batch_exploring([_chain([0.26])], 1.0, 1.0, 1, explore=1)
+    assert len(out[0]) == 1 and explored == 1
