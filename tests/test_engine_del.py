@@ -59,6 +59,9 @@ def test_del_greedy_is_token_identical_to_plain_in_a_batch(del_run):
     # Drafting really happened, through the model, and was verified.
     assert p["unbound"] == 0 and p["num_layers"] == 30, p
     assert delta["drafts"] > 0 and delta["draft_tokens"] > 0, delta
+    # identity is trivial if nothing is accepted: 8 of 126 drafted tokens were
+    # (2026-12-04, 108 drafts, 116 probes)
+    assert delta["accepted"] >= 3, delta
     assert p["drafts"] > 0 and p["probes"] > 0 and p["layer_acceptance"], p
     assert sum(p["exit_layer"].values()) > 0 and sum(p["draft_length_planned"].values()) > 0
     assert recent and any(r["tokens"] for r in recent)

@@ -128,7 +128,12 @@ def test_sam_eagle2_greedy_is_identical(get_llm, spec_bench_prompts, eagle_train
     s = engine_stats(llm)
     assert s["errors"] == 0, s
     p = s["proposer"]
-    assert p["sam_steps"] > 0 and p["eagle2_steps"] + p["none_steps"] > 0, p
+    # each branch drafts and gets tokens accepted, and trees move KV (identity
+    # is trivial otherwise); 2026-12-04: SAM 8 steps, 11 accepted; EAGLE-2 76
+    # steps, 21 accepted; 75 tree steps, 13 compactions
+    assert p["sam_steps"] > 0 and p["sam_accepted"] >= 4, p
+    assert p["eagle2_steps"] > 0 and p["eagle2_accepted"] >= 7, p
+    assert s["tree"]["compacted"] >= 4, s["tree"]
 
 
 @pytest.mark.slow
