@@ -228,6 +228,11 @@ def test_sam_tr_greedy_is_identical_and_uses_both_branches(get_llm, spec_bench_p
     s = _tr_stats(llm)
     p = s["proposer"]
     assert s["errors"] == 0, s
-    assert p["sam_steps"] > 0 and p["tr_steps"] + p["none_steps"] > 0, p
+    # each branch drafts and gets tokens accepted, and trees move KV (identity
+    # is trivial otherwise); 2026-12-04: SAM 7 steps, 12 accepted; TR 68 steps,
+    # 42 accepted; 60 tree steps, 16 compactions
+    assert p["sam_steps"] > 0 and p["sam_accepted"] >= 4, p
+    assert p["tr_steps"] > 0 and p["tr_accepted"] >= 14, p
+    assert s["tree"]["compacted"] >= 4, s["tree"]
     assert p["token_recycling"]["matrix_updates"] > 0 and p["token_recycling"][
         "topk_misaligned"] == 0, p
