@@ -385,3 +385,22 @@ def test_new_request_data_carries_the_salt():
     made = tenancy.make_from_request(Fake.__dict__["from_request"])
     new = made.__get__(None, Fake)(SimpleNamespace(request_id="r", cache_salt="s"), ())
     assert getattr(new, tenancy.SALT_ATTR) == "s"
+
+
+def test_a_start_without_info_keeps_working():
+    """Proposers written before ``RequestInfo`` (two-argument ``start``, as
+    examples/third_party_plugin's) are started without it."""
+    from vllm_specplug.proposers.testing import RandomTreeProposer
+
+    class Old(RandomTreeProposer):
+        def start(self, req_id, token_ids):
+            self.started = (req_id, list(token_ids))
+
+    old = Old(4)
+    start_request(old, "r", [1, 2], RequestInfo(None, 1))
+    assert old.started == ("r", [1, 2])
+    seen = []
+    new = SamProposer(4)
+    new.start = lambda req_id, token_ids, info=None: seen.append(info)
+    start_request(new, "r", [1, 2], RequestInfo(("s", None), 1))
+    assert seen == [RequestInfo(("s", None), 1)]
