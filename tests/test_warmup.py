@@ -101,7 +101,9 @@ def test_no_compile_after_warm_up(method, corpus_file):
     # without the warm-up the same requests compile: the check can fail
     cold = _run(spec, warm=False)
     assert cold["after"] != cold["before"]
-    assert {k for k, v in cold["after"].items() if v} == compiled
+    # (a subset: kernels called only from other kernels get signatures of
+    # their own when compiled, not when their caller loads from the cache)
+    assert {k for k, v in cold["after"].items() if v} <= compiled
 
 
 def test_warm_up_leaves_the_real_proposer_alone(tmp_path):
