@@ -36,9 +36,9 @@ for target in "${targets[@]}"; do
     budget) files="vllm_specplug/budget.py"
       tests="test_budget_unit.py test_batch_budget.py test_budget_cache.py test_eagle2_tree.py test_token_recycling.py" ;;
     tree) files="vllm_specplug/tree/*"
-      tests="test_tree_structure.py test_token_recycling.py test_hybrid.py test_tree_runtime_unit.py" ;;
+      tests="test_tree_structure.py test_tree_structure_edges.py test_token_recycling.py test_hybrid.py test_tree_runtime_unit.py" ;;
     global_store) files="vllm_specplug/proposers/global_store.py"
-      tests="test_global_store.py" ;;
+      tests="test_global_store.py test_global_store_sizes.py" ;;
     sam) files="vllm_specplug/proposers/sam.py"
       tests="test_sam_proposer.py test_suffix_automaton.py test_corpus_automaton.py test_simulate.py" ;;
     *) echo "unknown target '$target'; targets: scorers budget tree global_store sam" >&2; exit 2 ;;
@@ -66,7 +66,8 @@ for target in "${targets[@]}"; do
   echo "== $target: mutating $files; tests: $tests"
   start=$(date +%s)
   (cd "$dir" && SPECPLUG_FAST_TESTS=1 VLLM_CPU_KVCACHE_SPACE=1 \
-     "$PY" -m mutmut run --max-children "${MUTATION_CHILDREN:-2}") > "$OUT/$target.log" 2>&1 || true
+     "$PY" -m mutmut run --max-children "${MUTATION_CHILDREN:-2}") 2>&1 \
+    | tr '\r' '\n' | grep -v '^[⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏]' > "$OUT/$target.log" || true
   (cd "$dir" && "$PY" -m mutmut results --all true) > "$OUT/$target.txt" 2>&1 || true
   "$PY" - "$OUT/$target.txt" "$target" "$(( $(date +%s) - start ))" > "$OUT/$target.summary" <<'EOF'
 import collections, sys
