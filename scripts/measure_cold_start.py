@@ -27,6 +27,11 @@ import time
 
 def one(method: str, requests: int, max_tokens: int) -> dict:
     """Run in the child: one fresh engine, the first requests."""
+    import logging
+
+    # the plugin's warm-up lines (INFO) in the engine's log
+    logging.getLogger("vllm_specplug").setLevel(logging.INFO)
+    logging.getLogger("vllm_specplug").addHandler(logging.StreamHandler())
     from vllm import SamplingParams
 
     from vllm_specplug.bench.engine import METHOD_CONFIGS, build_llm
