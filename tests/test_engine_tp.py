@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from helpers import chat, pick
+from helpers import chat, pick, tau_of
 
 pytestmark = pytest.mark.engine
 
@@ -20,6 +20,12 @@ MAX_TOKENS = 40
 # vLLM's CPU platform needs one OpenMP core list per rank ("Not enough
 # allowed NUMA nodes" otherwise); set only while a TP engine starts.
 TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+# accepted draft tokens over the 4 prompts, 40 tokens each; measured
+# 2026-12-04: sam 54 (63 drafts), del 9 (133 drafts, probing every step),
+# token_recycling 25 (96 drafts; under "auto" this CPU's step cost cuts them
+# to single tokens: 2 tree steps, no compaction, so KV moves under TP are not
+# floored here)
+MIN_ACCEPTED = {"sam": 18, "del": 3, "token_recycling": 8}
 
 
 def _stats(worker):
@@ -68,7 +74,7 @@ def tp_llm(get_llm, name, spec):
 ])
 def test_tp2_greedy_matches_plain_tp1_and_ranks_agree(get_llm, prompts, reference, name, spec):
     llm = tp_llm(get_llm, name, spec)
-    outs = chat(llm, prompts, max_tokens=MAX_TOKENS)
+    _, delta, outs = tau_of(llm, lambda: chat(llm, prompts, max_tokens=MAX_TOKENS))
     for a, b in zip(reference, outs):
         assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids)
     # both prompts at once too (a batch of tree/chain requests)
@@ -79,6 +85,11 @@ def test_tp2_greedy_matches_plain_tp1_and_ranks_agree(get_llm, prompts, referenc
     assert len(ranks) == 2
     for s in ranks:
         assert s["errors"] == 0, s
+    # identity is trivial if nothing is accepted: floors at about a third of
+    # what 2026-12-04 measured
+    assert delta["accepted"] >= MIN_ACCEPTED[spec["method"]], delta
+    if spec["method"] == "token_recycling":
+        assert ranks[0]["tree"] == ranks[1]["tree"], [s["tree"] for s in ranks]
     if spec["method"] == "del":
         # both ranks drafted, and their controllers made the same choices
         p0, p1 = ranks[0]["proposer"], ranks[1]["proposer"]
