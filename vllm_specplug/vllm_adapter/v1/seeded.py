@@ -142,10 +142,14 @@ def replay_row(runner, row: int, draft: Draft, raw: torch.Tensor) -> Acceptance:
     sm = runner.input_batch.sampling_metadata
     req_id = runner.input_batch.req_ids[row]
     state = runner.requests[req_id]
-    logits = plain_logits(sm, row, state.sampling_params, sm.output_token_ids[row], raw,
-                          row_prefixes(draft))
-    return accept_sampled(draft, row_sampler(runner.sampler.topk_topp_sampler, logits,
-                                             sm.generators[row]))
+    gen = sm.generators[row]
+    # (the tree path hands host copies; the generator and the sampling
+    # metadata live on the runner's device)
+    # (the request's own output list: vLLM fills sm.output_token_ids only
+    # when a request of the batch has penalties or bad words)
+    logits = plain_logits(sm, row, state.sampling_params, state.output_token_ids,
+                          raw.to(gen.device), row_prefixes(draft))
+    return accept_sampled(draft, row_sampler(runner.sampler.topk_topp_sampler, logits, gen))
 
 
 def seeded_rows(runner, spec_meta) -> list[int]:
