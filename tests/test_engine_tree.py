@@ -19,10 +19,23 @@ def prompts(spec_bench_prompts):
     return [r["prompt"] for r in rows]
 
 
+SEEDED_PROMPT = "Write a short poem about rain."
+
+
+def seeded_chat(llm, seed: int = 1234):
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, seed=seed)
+    return llm.chat([[{"role": "user", "content": SEEDED_PROMPT}]], sp, use_tqdm=False)[0]
+
+
 @pytest.fixture(scope="module")
 def reference(get_llm, prompts, tmp_path_factory):
+    """Plain decoding's greedy outputs of ``prompts``; the oracle file holds
+    them and plain's seeded sampled output of ``SEEDED_PROMPT``."""
     outs = chat(get_llm("plain"), prompts, max_tokens=MAX_TOKENS)
-    seqs = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
+    seqs = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
+            for o in outs + [seeded_chat(get_llm("plain"))]]
     path = tmp_path_factory.mktemp("oracle") / "oracle.json"
     path.write_text(json.dumps({"sequences": seqs}))
     return outs, str(path)
@@ -54,15 +67,27 @@ def test_random_trees_keep_output_identical(get_llm, prompts, reference):
     assert s["tree"]["tree_steps"] > 0 and s["errors"] == 0, s
 
 
-def test_seeded_tree_sampling_is_reproducible(get_llm):
-    from vllm import SamplingParams
-
-    llm = get_llm("random_tree", {"method": "debug_random_tree", "num_speculative_tokens": 8})
-    sp = SamplingParams(temperature=1.0, max_tokens=24, seed=1234)
-    msgs = [[{"role": "user", "content": "Write a short poem about rain."}]]
-    a = llm.chat(msgs, sp, use_tqdm=False)[0].outputs[0].token_ids
-    b = llm.chat(msgs, sp, use_tqdm=False)[0].outputs[0].token_ids
-    assert list(a) == list(b)
+def test_seeded_tree_sampling_is_plain_decodings(get_llm, prompts, reference):
+    """A seeded sampled request's text under tree speculation is plain
+    decoding's with that seed. The oracle hides plain's seeded continuation
+    at a random depth among wrong siblings: replayed verification must accept
+    exactly the hidden depth each step (deep acceptance: not trivial). Random
+    trees (nearly all rejected) give plain's text too; another seed gives
+    another text (the seed is used)."""
+    want = list(seeded_chat(get_llm("plain")).outputs[0].token_ids)
+    assert list(seeded_chat(get_llm("plain"), seed=4321).outputs[0].token_ids) != want
+    _, oracle_file = reference
+    llm = get_llm("oracle_tree", {"method": "debug_oracle_tree", "num_speculative_tokens": 9,
+                                  "oracle_file": oracle_file, "oracle_width": 2})
+    before = llm.llm_engine.collective_rpc(drafter_stats)[0]
+    assert list(seeded_chat(llm).outputs[0].token_ids) == want
+    after = llm.llm_engine.collective_rpc(drafter_stats)[0]
+    p0, p1 = before["proposer"], after["proposer"]
+    assert p1["mismatched_steps"] == p0["mismatched_steps"], (p0, p1)
+    assert p1["accepted_total"] - p0["accepted_total"] >= 10, (p0, p1)
+    random_tree = get_llm("random_tree", {"method": "debug_random_tree",
+                                          "num_speculative_tokens": 8})
+    assert list(seeded_chat(random_tree).outputs[0].token_ids) == want
 
 
 # Sampling: the first three generated tokens under tree speculation must be
