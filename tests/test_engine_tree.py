@@ -25,7 +25,8 @@ SEEDED_PROMPT = "Write a short poem about rain."
 def seeded_chat(llm, seed: int = 1234):
     from vllm import SamplingParams
 
-    sp = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, seed=seed)
+    # ignore_eos: always MAX_TOKENS tokens, so the oracle has a long path to hide
+    sp = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, seed=seed, ignore_eos=True)
     return llm.chat([[{"role": "user", "content": SEEDED_PROMPT}]], sp, use_tqdm=False)[0]
 
 
