@@ -427,8 +427,17 @@ def test_a_failing_proposer_costs_its_request_its_draft_only(sam_config, monkeyp
 
     monkeypatch.setattr(runner.spec.proposer, "propose", propose)
     out = runner.step({"a": ta[1:2], "b": tb[1:2]})
-    assert out["a"] == [ta[1]] * K and runner.spec.num_errors == 1
+    assert out["a"] == [ta[1]] * K and runner.spec.containment.errors == 1
     assert "a" not in runner.spec._slots and "b" in runner.spec._slots
+    # the request decodes without drafts for the rest of its life: it is
+    # neither rebuilt nor asked again (only filler), while "b" keeps drafting
+    monkeypatch.setattr(runner.spec.proposer, "propose", real)
+    starts = runner.spec.stats["starts"]
+    for i in range(2, 5):
+        out = runner.step({"a": ta[i:i + 1], "b": tb[i:i + 1]})
+        assert out["a"] == [ta[i]] * K
+    assert "a" not in runner.spec._slots and runner.spec.stats["starts"] == starts
+    assert runner.spec.containment.stats()["requests_without_drafts"] == 1
 
 
 # ------------------------------------------------------------- differential

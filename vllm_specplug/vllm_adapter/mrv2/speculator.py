@@ -47,8 +47,10 @@ import torch
 
 from vllm.v1.worker.gpu.spec_decode.speculator import BaseSpeculator
 
+from ... import faults
 from ...config import build_proposer
 from ...proposers.base import Draft, RequestInfo, start_request
+from ...warmup import warm_up
 from .config import plugin_config
 
 logger = logging.getLogger("vllm_specplug")
@@ -71,6 +73,12 @@ class SamSpeculator(BaseSpeculator):
         self.req_states = req_states
         max_num_reqs = vllm_config.scheduler_config.max_num_seqs
         self.proposer = self._new_proposer()
+        # numba kernels compile now, not in the first requests (docs/architecture.md,
+        # "Cold start")
+        warm_up(self.plugin)
+        # faults contained (docs/architecture.md, "Faults"): a request whose
+        # proposer call raised decodes without drafts for the rest of its life
+        self.containment = faults.Containment(self.method)
         # newest tokens copied per row: a step commits at most K + 1, plus one
         # already seen to check that they continue it
         self.window = self.k + 2
@@ -82,7 +90,6 @@ class SamSpeculator(BaseSpeculator):
         self._rows: dict[int, tuple[str, int, int]] = {}
         # req_id -> its slot, for requests the proposer holds
         self._slots: dict[str, int] = {}
-        self.num_errors = 0
         self.stats = {"steps": 0, "rows": 0, "drafted_rows": 0, "draft_tokens": 0,
                       "starts": 0, "placeholder_rows": 0, "host_seconds": 0.0,
                       "copy_seconds": 0.0}
@@ -114,17 +121,16 @@ class SamSpeculator(BaseSpeculator):
         proposer completes them (sam's global store takes their outputs, in
         request-id order, before the next draft)."""
         for req_id in sorted(finished_req_ids):
+            self.containment.finished(req_id)
             slot = self._slots.get(req_id)
             if slot is None:
                 continue
-            if self.req_states.req_id_to_index.get(req_id) == slot:
-                try:
+            try:
+                if self.req_states.req_id_to_index.get(req_id) == slot:
                     self._catch_up(slot)
-                except Exception:  # noqa: BLE001 - the store misses one document
-                    self.num_errors += 1
-                    logger.exception("vllm_specplug: could not read request %s's last tokens",
-                                     req_id)
-            self.proposer.complete(req_id)
+                self.proposer.complete(req_id)
+            except Exception as e:  # noqa: BLE001 - the store misses one document
+                self.containment.request_fault(req_id, "complete", e, finished=True)
             self._rows.pop(slot, None)
             self._forget(req_id)
 
@@ -158,12 +164,12 @@ class SamSpeculator(BaseSpeculator):
         for row in range(num_reqs):
             req_id = input_batch.req_ids[row]
             slot = int(slots[row])
+            if req_id in self.containment:
+                continue          # faulted earlier: filler only, for the rest of its life
             try:
                 draft = self._propose_row(req_id, slot, block[row], budget)
-            except Exception:  # noqa: BLE001 - one request's failure stays its own
-                self.num_errors += 1
-                logger.exception("vllm_specplug: %s proposer failed for request %s; "
-                                 "no draft this step", self.method, req_id)
+            except Exception as e:  # noqa: BLE001 - one request's failure stays its own
+                self.containment.request_fault(req_id, "propose", e)
                 self._rows.pop(slot, None)
                 self._forget(req_id)
                 continue
@@ -273,7 +279,10 @@ class SamSpeculator(BaseSpeculator):
         slot = self._slots.pop(req_id, None)
         if slot is not None and self._rows.get(slot, ("",))[0] == req_id:
             del self._rows[slot]
-        self.proposer.finish(req_id)
+        try:
+            self.proposer.finish(req_id)
+        except Exception as e:  # noqa: BLE001 - freeing one request never stops the engine
+            self.containment.request_fault(req_id, "finish", e, finished=True)
 
 
 def _placeholder(tokens: np.ndarray) -> int:
