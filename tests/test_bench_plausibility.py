@@ -135,3 +135,27 @@ def test_a_time_to_first_token_far_above_plains_is_flagged():
     # rows without stats: nothing to compare
     assert not [f for f in check(_result([_row(0, 96, 0, 9.6)], {"sam": [_row(0, 96, 48, 5.0)]}))
                 if "time to first token" in f.message]
+
+
+def test_the_demo_verdict_compares_each_method_with_suffix():
+    """One sentence per method: faster or slower than vLLM's suffix, by how
+    much, and whether its outputs equal plain decoding's (the demo's answer)."""
+    plain = [_row(i, 96, 0, 96 * 0.100) for i in range(3)]
+    suffix = [_row(i, 96, 40, 56 * 0.105) for i in range(3)]    # 96 tok in 17.6 s
+    sam = [_row(i, 96, 48, 48 * 0.110) for i in range(3)]       # 96 tok in 15.8 s: faster
+    slow = [_row(i, 96, 8, 88 * 0.110) for i in range(3)]       # slower than suffix
+    slow[1]["token_ids"] = [7] * 96                             # one output differs
+    res = _result(plain, {"suffix": suffix, "sam": sam, "slow": slow})
+    lines = report.verdicts(res)
+    by = {line.split(":")[0]: line for line in lines}
+    assert set(by) == {"suffix", "sam", "slow"}
+    ratio = (96 / (48 * 0.110)) / (96 / (56 * 0.105))
+    assert by["sam"].startswith("sam: faster than vLLM's `suffix` on this run")
+    assert f"{(ratio - 1) * 100:+.0f}%" in by["sam"]
+    assert "every output token-identical to plain decoding" in by["sam"]
+    assert by["slow"].startswith("slow: slower than vLLM's `suffix`")
+    assert "1 output(s) differ from plain decoding" in by["slow"]
+    assert "x plain decoding's tokens/s" in by["suffix"]
+    # without suffix in the run, methods are compared with plain decoding
+    alone = report.verdicts(_result(plain, {"sam": sam}))
+    assert alone[0].startswith("sam: faster than plain decoding")

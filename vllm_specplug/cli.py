@@ -76,6 +76,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         report.write_docs(res, Path(args.out), Path(args.docs), command,
                           raw_path=Path(args.docs_raw) if args.docs_raw else None)
     print(md)
+    print("Verdict:")
+    for line in report.verdicts(res):
+        print(f"* {line}")
+    print()
     ms = res["methods"].values()
     starts = sum(e["engine_start_seconds"] for e in ms)
     procs = sum(e["process_seconds"] or 0.0 for e in ms)

@@ -112,6 +112,40 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def verdicts(res: dict, baseline: str = "suffix") -> list[str]:
+    """One sentence per method that answers a user's question: faster or
+    slower than vLLM's ``baseline`` (by tokens/s) on this run, by how much,
+    and whether every output was token-identical to plain decoding. The
+    baseline's own line (and plain's) says what they are; a run without the
+    baseline compares with plain decoding."""
+    methods = res["methods"]
+    flagged = {f.method for f in check(res)}
+    ref = baseline if baseline in methods else "plain" if "plain" in methods else None
+    out = []
+    for m, e in methods.items():
+        if m == "plain":
+            continue
+        tps = e["overall"]["tokens_per_second"]
+        n_diff = e["outputs_differing_from_plain"]
+        same = ("every output token-identical to plain decoding" if n_diff == 0 else
+                f"{n_diff} output(s) differ from plain decoding")
+        if m == ref or ref is None or not tps or not methods[ref]["overall"]["tokens_per_second"]:
+            sp = e["overall"].get("speedup")
+            rel = (f"{sp:.2f}x plain decoding's tokens/s" if sp else "no tokens/s measured")
+            out.append(f"{m}: {rel}; {same}.")
+            continue
+        ratio = tps / methods[ref]["overall"]["tokens_per_second"]
+        word = "faster than" if ratio >= 1.0 else "slower than"
+        by = f"{(ratio - 1) * 100:+.0f}%"
+        who = f"vLLM's `{ref}`" if ref != "plain" else "plain decoding"
+        caveat = (" (measurement flagged as implausible: rerun on a quiet machine)"
+                  if m in flagged or ref in flagged else "")
+        out.append(f"{m}: {word} {who} on this run ({tps:.1f} against "
+                   f"{methods[ref]['overall']['tokens_per_second']:.1f} tokens/s, {by}); "
+                   f"{same}{caveat}.")
+    return out
+
+
 def plots(res: dict, out_dir: Path) -> list[Path]:
     import matplotlib
 
