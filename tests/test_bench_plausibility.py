@@ -156,6 +156,9 @@ def test_the_demo_verdict_compares_each_method_with_suffix():
     assert by["slow"].startswith("slow: slower than vLLM's `suffix`")
     assert "1 output(s) differ from plain decoding" in by["slow"]
     assert "x plain decoding's tokens/s" in by["suffix"]
+    # within 2%: a tie, not "slower by -0%"
+    tie = report.verdicts(_result(plain, {"suffix": suffix, "same": suffix}))
+    assert any(line.startswith("same: on par with vLLM's `suffix`") for line in tie)
     # without suffix in the run, methods are compared with plain decoding
     alone = report.verdicts(_result(plain, {"sam": sam}))
     assert alone[0].startswith("sam: faster than plain decoding")

@@ -135,7 +135,8 @@ def verdicts(res: dict, baseline: str = "suffix") -> list[str]:
             out.append(f"{m}: {rel}; {same}.")
             continue
         ratio = tps / methods[ref]["overall"]["tokens_per_second"]
-        word = "faster than" if ratio >= 1.0 else "slower than"
+        word = ("on par with" if abs(ratio - 1.0) < 0.02 else
+                "faster than" if ratio > 1.0 else "slower than")
         by = f"{(ratio - 1) * 100:+.0f}%"
         who = f"vLLM's `{ref}`" if ref != "plain" else "plain decoding"
         caveat = (" (measurement flagged as implausible: rerun on a quiet machine)"
