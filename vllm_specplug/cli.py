@@ -20,6 +20,16 @@ from pathlib import Path
 QUICK = {"categories": ["summarization", "extraction", "qa"], "per_category": 1,
          "max_tokens": 64, "engine": {"max_model_len": 2048}, "kv_cache_gb": "1"}
 
+# `specplug bench --preset readme`: the README's methods table from one run.
+# Spec-Bench's odd half (the half not used for tuning), one prompt per
+# category (13), 128 greedy tokens, batch size 1, one engine per method; the
+# EAGLE methods join when --eagle-head names a head. About half an hour on
+# 2 cores. The table in README.md is rewritten only if no measurement is
+# flagged as implausible.
+README_PRESET = {"methods": "plain,ngram,suffix,sam,token_recycling,sam_tr,del",
+                 "eagle_methods": "eagle2,sam_eagle2", "half": "odd", "per_category": 1,
+                 "max_tokens": 128}
+
 
 def _parse_overrides(items: list[str]) -> dict[str, dict]:
     out: dict[str, dict] = {}
@@ -49,6 +59,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         model = default_model_path()
     elif not Path(model).exists() and "/" not in model:
         raise SystemExit(f"--model {model!r}: no such folder (no model hub is used here)")
+    if args.preset == "readme":
+        _apply_readme_preset(args)
+    elif args.readme is not None:
+        raise SystemExit("--readme: only with --preset readme")
+    args.methods = args.methods or "plain,ngram,suffix,sam"
     per_cat, cats, max_tokens = args.per_category, args.categories, args.max_tokens
     engine = None
     if args.quick:
@@ -75,6 +90,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         command = "specplug bench " + " ".join(shlex.quote(a) for a in sys.argv[2:])
         report.write_docs(res, Path(args.out), Path(args.docs), command,
                           raw_path=Path(args.docs_raw) if args.docs_raw else None)
+    if args.preset == "readme":
+        _write_readme_table(args, res)
     print(md)
     print("Verdict:")
     for line in report.verdicts(res):
@@ -93,6 +110,64 @@ def cmd_bench(args: argparse.Namespace) -> int:
               f"top of the report: this machine was busy during the run; rerun when it is "
               f"quiet before quoting any speedup.", file=sys.stderr)
     return 0
+
+
+def _apply_readme_preset(args: argparse.Namespace) -> None:
+    """Fix the run the README's table comes from; options that would change
+    it are refused, naming them."""
+    fixed = {"--methods": args.methods, "--prompts": args.prompts,
+             "--per-category": args.per_category, "--categories": args.categories,
+             "--half": args.half, "--max-tokens": args.max_tokens,
+             "--limit": args.limit, "--batch-size": args.batch_size,
+             "--speculative-config": args.speculative_config}
+    given = [k for k, v in fixed.items() if v]
+    given += [k for k, bad in (("--temperature", args.temperature != 0.0),
+                               ("--repeat", args.repeat != 1), ("--batch", args.batch),
+                               ("--quick", args.quick),
+                               ("--workload", args.workload != "spec_bench")) if bad]
+    if given:
+        raise SystemExit(f"--preset readme fixes the run the README table comes from; drop "
+                         f"{', '.join(given)} (or run without --preset)")
+    p = README_PRESET
+    args.methods = p["methods"] + (f",{p['eagle_methods']}" if args.eagle_head else "")
+    args.half, args.per_category, args.max_tokens = p["half"], p["per_category"], p["max_tokens"]
+    if args.out == "bench_results":
+        args.out = f"results/runs/readme_{time.strftime('%Y-%m-%d')}"
+    args.readme = args.readme or "README.md"
+    if not Path(args.readme).is_file():
+        raise SystemExit(f"--readme {args.readme}: no such file (run from the checkout's root, "
+                         f"or name the README)")
+    from .bench import report
+
+    text = Path(args.readme).read_text()
+    if text.count(report.README_BEGIN) != 1 or text.count(report.README_END) != 1:
+        raise SystemExit(f"--readme {args.readme}: no methods-table block to rewrite "
+                         f"(expected the lines '{report.README_BEGIN}' and "
+                         f"'{report.README_END}')")
+
+
+def _write_readme_table(args: argparse.Namespace, res: dict) -> None:
+    from .bench import report
+
+    missing = {} if args.eagle_head else {
+        m: "needs a trained head (`--eagle-head DIR`)"
+        for m in README_PRESET["eagle_methods"].split(",")}
+    readme = Path(args.readme)
+    out = Path(args.out)
+    try:
+        rel = out.resolve().relative_to(readme.resolve().parent).as_posix()
+    except ValueError:
+        rel = out.as_posix()
+    command = "specplug bench --preset readme" + (
+        f" --eagle-head {shlex.quote(args.eagle_head)}" if args.eagle_head else "")
+    try:
+        table = report.readme_table(res, command, rel, missing,
+                                    prompt_note=" (odd half, one per category)")
+        report.update_readme(readme, table)
+    except ValueError as e:
+        print(f"{readme} NOT rewritten: {e}", file=sys.stderr)
+        return
+    print(f"{readme}: methods table rewritten from this run")
 
 
 def _bench_prompts(args: argparse.Namespace, per_cat, cats) -> list[dict]:
@@ -345,8 +420,9 @@ def build_parser() -> argparse.ArgumentParser:
     def bench_args(sp: argparse.ArgumentParser, quick: bool) -> None:
         sp.add_argument("--model", default=None,
                         help="model folder (default: the embedded SmolLM2-135M-Instruct)")
-        sp.add_argument("--methods", default="plain,ngram,suffix,sam",
-                        help="comma-separated: plain, ngram, suffix and our methods")
+        sp.add_argument("--methods", default=None,
+                        help="comma-separated: plain, ngram, suffix and our methods "
+                             "(default: plain,ngram,suffix,sam)")
         sp.add_argument("--prompts", default=None,
                         help="JSONL with 'turns' or 'prompt' (default: vendored Spec-Bench)")
         sp.add_argument("--per-category", type=int, default=None)
@@ -383,6 +459,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a short run (3 prompts, 64 tokens, small engines)")
         sp.add_argument("--out", default="bench_results")
         sp.add_argument("--no-plots", action="store_true")
+        sp.add_argument("--preset", choices=("readme",), default=None,
+                        help="readme: the run behind README.md's methods table (Spec-Bench's "
+                             "odd half, one prompt per category, 128 greedy tokens, every "
+                             "method without a head; with --eagle-head also eagle2 and "
+                             "sam_eagle2), which it rewrites; results in "
+                             "results/runs/readme_<date>/")
+        sp.add_argument("--readme", default=None, metavar="PATH",
+                        help="with --preset readme: the README to rewrite (default README.md)")
         sp.add_argument("--docs", default=None, metavar="PATH",
                         help="also write the results as a Markdown page (a page of its own: "
                              "docs/benchmarks.md is written by hand)")

@@ -235,3 +235,80 @@ def write_docs(res: dict, out_dir: Path, docs_path: Path, command: str,
     docs_path.write_text("\n".join(text))
     raw_path.parent.mkdir(parents=True, exist_ok=True)
     raw_path.write_text(json.dumps(res, indent=1))
+
+
+# The README's methods table (`specplug bench --preset readme`): what each
+# method drafts from (and what it needs), and the shape of its drafts.
+METHOD_ROWS = {
+    "sam": ("the request's own text, finished requests, optional static corpus (nothing)",
+            "chain"),
+    "token_recycling": ("the target's recycled top-k (nothing)", "tree"),
+    "sam_tr": ("`sam`, else a Token Recycling tree (nothing)", "chain or tree"),
+    "eagle2": ("an EAGLE-1 or EAGLE-3 **head** (`specplug train-eagle` trains one)", "tree"),
+    "sam_eagle2": ("`sam`, else EAGLE-2 (a **head**)", "chain or tree"),
+    "del": ("the target's first layers (nothing; pays only on a model trained for early "
+            "exit)", "chain"),
+    "ngram": ("vLLM's baseline: n-gram match in the request's text", "chain"),
+    "suffix": ("vLLM's baseline: suffix tree of the request and earlier outputs "
+               "(Arctic Inference)", "chain"),
+    "plain": ("no speculation (the reference)", "-"),
+}
+README_BEGIN = ("<!-- methods-table: written by `specplug bench --preset readme`; "
+                "edit the command, not the table -->")
+README_END = "<!-- /methods-table -->"
+
+
+def readme_table(res: dict, command: str, results_dir: str,
+                 missing: dict[str, str] | None = None, prompt_note: str = "") -> str:
+    """The README's methods table from one run: a row per method (ours first,
+    then vLLM's baselines and plain decoding) with tau, tokens/s, the speedup
+    over plain decoding and whether every output was token-identical to plain
+    decoding; under it the run's settings, commit and the command that
+    rewrites it. ``missing``: methods left out of the run, with the reason."""
+    methods = res["methods"]
+    if "plain" not in methods:
+        raise ValueError("the README table needs plain decoding in the run (its reference)")
+    flagged = check(res)
+    if flagged:
+        raise ValueError("implausible measurements (a busy machine?): "
+                         + "; ".join(f.message for f in flagged))
+    order = [m for m in METHOD_ROWS if m in methods] + [m for m in methods
+                                                         if m not in METHOD_ROWS]
+    plain_tps = methods["plain"]["overall"]["tokens_per_second"]
+    lines = ["| method | drafts from (needs) | shape | tau | tokens/s | speedup | "
+             "outputs identical to plain |", "|---|---|---|---|---|---|---|"]
+    for m in order:
+        o = methods[m]["overall"]
+        src, shape = METHOD_ROWS.get(m, ("third-party method", "?"))
+        name = f"vLLM `{m}`" if m in ("ngram", "suffix") else f"`{m}`"
+        n_diff = methods[m]["outputs_differing_from_plain"]
+        same = "reference" if m == "plain" else ("all" if n_diff == 0 else
+                                                   f"**{n_diff} differ**")
+        sp = 1.0 if m == "plain" else o["tokens_per_second"] / plain_tps
+        lines.append(f"| {name} | {src} | {shape} | {_f(o['tau'])} | "
+                     f"{_f(o['tokens_per_second'], 1)} | {sp:.2f}x | {same} |")
+    for m, why in (missing or {}).items():
+        src, shape = METHOD_ROWS.get(m, ("", ""))
+        lines.append(f"| `{m}` | {src} | {shape} | not in this run: {why} | | | |")
+    s, env = res["settings"], res["environment"]
+    n_prompts = len(methods["plain"]["per_prompt"])
+    when = (env.get("date") or "")[:10]
+    lines += ["", f"One run, {when}, commit `{env.get('commit') or 'unknown'}`: "
+              f"{n_prompts} {s.get('workload', 'spec_bench')} prompts{prompt_note}, "
+              f"{s['max_tokens']} tokens each, temperature {s['temperature']}, batch size 1, "
+              f"one engine per method; {env['cpu']} ({env['cores']} cores), vLLM "
+              f"{env['vllm']}, torch {env['torch']}. Raw results: "
+              f"[{results_dir}]({results_dir}). Rerun (about half an hour on 2 cores; the "
+              f"table is rewritten only when no measurement is flagged as implausible):",
+              "", "```bash", command, "```"]
+    return "\n".join(lines)
+
+
+def update_readme(path: Path, table: str) -> None:
+    """Replace the block between README_BEGIN and README_END in ``path``."""
+    text = path.read_text()
+    if text.count(README_BEGIN) != 1 or text.count(README_END) != 1:
+        raise ValueError(f"{path}: expected one '{README_BEGIN}' ... '{README_END}' block")
+    head, rest = text.split(README_BEGIN)
+    _, tail = rest.split(README_END)
+    path.write_text(f"{head}{README_BEGIN}\n{table}\n{README_END}{tail}")

