@@ -22,7 +22,7 @@ CTX = [1, 2, 3, 4, 5, 1, 2, 3]  # match [1, 2, 3] (length 3), then 4 5 1 2 3 fol
 FIRST = {"sam_continuation": "first", "sam_min_accept_prob": 0.0}
 DEFAULTS = {"sam_continuation": "frequent", "sam_min_match_len": 1,
             "sam_min_accept_prob": None, "sam_min_token_prob": 0.0, "sam_spec_factor": 4.0,
-            "sam_corpus": "", "sam_corpus_bias": None, "sam_global_tokens": 500_000,
+            "sam_corpus": "", "sam_corpus_bias": None, "sam_global_tokens": 500_000, "sam_global_bytes": 0,
             "sam_global_prompts": False, "sam_global_tenants": 16}
 # On CTX every earlier occurrence has a single continuation, so both ways of
 # continuing draft the same tokens as far as "first" goes (and a fresh acceptance

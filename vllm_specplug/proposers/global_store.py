@@ -264,6 +264,20 @@ class GlobalMatch:
         self.pending: list[int] = []
 
 
+def tokens_for_bytes(max_bytes: int, num_segments: int = DEFAULT_SEGMENTS) -> int:
+    """The largest ``max_tokens`` whose store reserves at most ``max_bytes``
+    (``GlobalStore.max_nbytes``, which grows with ``max_tokens``); 0 when not
+    even the smallest store fits."""
+    lo, hi = 0, 1 << 31
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if mid >= num_segments and GlobalStore(mid, num_segments).max_nbytes() <= max_bytes:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 class GlobalStore:
     """Bounded, append-only-with-eviction store of documents (token id lists)."""
 

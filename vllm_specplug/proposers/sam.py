@@ -235,6 +235,17 @@ def _check_global_tokens(value: int) -> str | None:
     return None
 
 
+def _check_global_bytes(value: int) -> str | None:
+    if value:
+        from .global_store import GlobalStore, tokens_for_bytes
+
+        if tokens_for_bytes(value) < MIN_GLOBAL_TOKENS:
+            need = GlobalStore(MIN_GLOBAL_TOKENS).max_nbytes()
+            return (f"a store of the minimum {MIN_GLOBAL_TOKENS} tokens reserves {need} "
+                    f"bytes; use 0 (no byte cap) or at least {need}, got {value}")
+    return None
+
+
 def _check_corpus(value: str) -> str | None:
     if value.strip() and not corpus_paths(value):
         return (f"{value!r} names no file; give comma-separated paths of files from "
@@ -283,6 +294,11 @@ class SamProposer(Proposer):
                "tokens kept in the worker's global store of finished requests' outputs "
                "(about 140 bytes a token resident, 160 reserved; 0: no global store)", minimum=0,
                maximum=1 << 28, check=_check_global_tokens),
+        Option("sam_global_bytes", int, 0,
+               "a cap in bytes on the global store (all tenants together): its token "
+               "budget becomes the largest below sam_global_tokens whose reserved bytes "
+               "fit; 0: the token budget alone", minimum=0, maximum=1 << 40,
+               check=_check_global_bytes),
         Option("sam_global_prompts", bool, False,
                "also add finished requests' prompts to the global store"),
         Option("sam_global_tenants", int, 16,
@@ -318,7 +334,8 @@ class SamProposer(Proposer):
                  sam_min_match_len: int = 1, sam_min_accept_prob: float | None = None,
                  sam_min_token_prob: float = 0.0, sam_spec_factor: float = 4.0,
                  sam_corpus: str = "", sam_corpus_bias: int | None = None,
-                 sam_global_tokens: int = 500_000, sam_global_prompts: bool = False,
+                 sam_global_tokens: int = 500_000, sam_global_bytes: int = 0,
+                 sam_global_prompts: bool = False,
                  sam_global_tenants: int = 16) -> None:
         self.num_speculative_tokens = int(num_speculative_tokens)
         self.continuation = sam_continuation
@@ -333,6 +350,10 @@ class SamProposer(Proposer):
         self.corpus_bias = None if sam_corpus_bias is None else int(sam_corpus_bias)
         # tenant key -> its global store (None: no global store)
         self.stores: TenantStores | None = None
+        if sam_global_tokens and sam_global_bytes:
+            from .global_store import tokens_for_bytes
+
+            sam_global_tokens = min(sam_global_tokens, tokens_for_bytes(sam_global_bytes))
         if sam_global_tokens:
             # numba only when used: importing it at module import breaks vLLM's
             # in-process engines (VLLM_ENABLE_V1_MULTIPROCESSING=0), whose
