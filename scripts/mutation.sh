@@ -38,9 +38,9 @@ for target in "${targets[@]}"; do
     tree) files="vllm_specplug/tree/*"
       tests="test_tree_structure.py test_tree_structure_edges.py test_token_recycling.py test_hybrid.py test_tree_runtime_unit.py" ;;
     global_store) files="vllm_specplug/proposers/global_store.py"
-      tests="test_global_store.py test_global_store_sizes.py" ;;
+      tests="test_global_store.py test_global_store_sizes.py test_global_store_edges.py test_global_bytes.py" ;;
     sam) files="vllm_specplug/proposers/sam.py"
-      tests="test_sam_proposer.py test_suffix_automaton.py test_corpus_automaton.py test_simulate.py" ;;
+      tests="test_sam_proposer.py test_suffix_automaton.py test_corpus_automaton.py test_simulate.py test_global_store.py test_isolation.py test_faults.py test_bounds.py test_config.py test_hybrid.py test_global_bytes.py" ;;
     *) echo "unknown target '$target'; targets: scorers budget tree global_store sam" >&2; exit 2 ;;
   esac
   dir=$WORK/$target
