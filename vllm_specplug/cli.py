@@ -281,6 +281,15 @@ def cmd_answers(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_fit_stop(args: argparse.Namespace) -> int:
+    """Fit sam's learned stopping rule (sam_stop "learned") on recorded outputs."""
+    from .bench import stop_fit
+
+    stop_fit.main(args.records, args.o, None if args.half == "all" else args.half,
+                  stop_fit.cost_values(args.costs.split(",")), rounds=args.rounds)
+    return 0
+
+
 def cmd_build_sam(args: argparse.Namespace) -> int:
     """Tokenize text corpora with the model's tokenizer; save their static automaton."""
     import os
@@ -519,6 +528,20 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--quiet", action="store_true", help="no progress bars")
     sp.add_argument("-o", required=True, help="output file (e.g. corpus.sam)")
     sp.set_defaults(func=cmd_build_sam)
+    sp = sub.add_parser("fit-stop", help="fit sam's learned stopping rule (sam_stop "
+                                         "\"learned\", sam_stop_file) on recorded outputs")
+    sp.add_argument("records", nargs="*",
+                    help="greedy records (scripts/record_greedy_hf.py JSONL: prompt_ids, "
+                         "output_ids, pos); default: this repository's tuning halves")
+    sp.add_argument("--half", choices=("even", "odd", "all"), default="all",
+                    help="records whose 'pos' is even or odd (default: all)")
+    sp.add_argument("--costs", default="cpu,gpu_like",
+                    help="relative verify costs of a token to replay at while recording "
+                         "(numbers, or the lines 'cpu' and 'gpu_like' of bench.curves)")
+    sp.add_argument("--rounds", type=int, default=2, choices=range(1, 6), metavar="1-5",
+                    help="record-and-fit rounds (default 2)")
+    sp.add_argument("-o", required=True, help="output file (JSON), for sam_stop_file")
+    sp.set_defaults(func=cmd_fit_stop)
     sp = sub.add_parser("train-eagle", help="train an EAGLE-1 draft head for a target")
     sp.add_argument("--target", default=None, help="model folder (default: the embedded model)")
     sp.add_argument("--prompts", default=None,

@@ -63,6 +63,7 @@ from .base import SHARED, Draft, Proposer, RequestInfo, TargetTopK
 if TYPE_CHECKING:
     from .global_store import GlobalMatch
     from .tenants import TenantStores
+from .stop_rule import LearnedStop, StopModel, StopModelError, best_cut
 from .suffix_automaton import SuffixAutomaton
 
 # Occurrence counts are kept for the 32 longest suffixes of each new token.
@@ -246,6 +247,14 @@ def _check_global_bytes(value: int) -> str | None:
     return None
 
 
+def _check_stop_file(value: str) -> str | None:
+    try:
+        StopModel.load(value or None)
+    except StopModelError as e:
+        return str(e)
+    return None
+
+
 def _check_corpus(value: str) -> str | None:
     if value.strip() and not corpus_paths(value):
         return (f"{value!r} names no file; give comma-separated paths of files from "
@@ -305,6 +314,17 @@ class SamProposer(Proposer):
                "tenants (cache_salt and LoRA adapter pairs) whose global stores are kept; "
                "beyond this, or past sam_global_tokens in all, the least recently used "
                "tenant's store is dropped", minimum=1, maximum=4096),
+        Option("sam_stop", str, "table",
+               "how drafts are cut and sources chosen: 'table', the acceptance per match "
+               "length learned online; 'learned', a logistic model per drafted position "
+               "(match length, continuation shares, this request's recent acceptance, ...; "
+               "sam_stop_file) calibrated online per source, cut where one more verified "
+               "token costs more than it is expected to bring (the measured verify cost)",
+               choices=("table", "learned")),
+        Option("sam_stop_file", str, "",
+               "'learned': the model's coefficients (a file from `specplug fit-stop`); "
+               "empty: the shipped file, fitted on this project's recorded outputs",
+               check=_check_stop_file),
     )
 
     @classmethod
@@ -336,8 +356,12 @@ class SamProposer(Proposer):
                  sam_corpus: str = "", sam_corpus_bias: int | None = None,
                  sam_global_tokens: int = 500_000, sam_global_bytes: int = 0,
                  sam_global_prompts: bool = False,
-                 sam_global_tenants: int = 16) -> None:
+                 sam_global_tenants: int = 16, sam_stop: str = "table",
+                 sam_stop_file: str = "") -> None:
         self.num_speculative_tokens = int(num_speculative_tokens)
+        # None: the table rule; else the learned rule (``stop_rule``)
+        self._stop = (LearnedStop(StopModel.load(sam_stop_file or None))
+                      if sam_stop == "learned" else None)
         self.continuation = sam_continuation
         self.min_match_len = int(sam_min_match_len)
         # None: draft lengths from the verify cost (``best_length``); a number:
@@ -407,6 +431,8 @@ class SamProposer(Proposer):
         self._pending.pop(req_id, None)
         self._choice.pop(req_id, None)
         self._automata[req_id] = SuffixAutomaton(token_ids, count_depth=self._count_depth)
+        if self._stop is not None:
+            self._stop.start(req_id, len(token_ids))
         if self.corpora:
             self._corpus_matches[req_id] = [c.advance_many(0, 0, token_ids)
                                             for c in self.corpora]
@@ -436,6 +462,9 @@ class SamProposer(Proposer):
                 a += 1
             self._table(source).update(match_len, len(draft), a)
             self.stats[f"{source}_accepted"] += a
+        if self._stop is not None:
+            self._stop.observe(req_id, 0 if pending is None else len(pending[2]),
+                               0 if pending is None else a, len(committed_ids))
         self._choice.pop(req_id, None)
         self._automata[req_id].extend(committed_ids)
         if self.corpora:
@@ -581,7 +610,9 @@ class SamProposer(Proposer):
                 if tokens:
                     best = ("static", length, tokens)
             sources.remove("static")
-        if best[0] != "static":
+        if self._stop is not None and best[0] != "static":
+            best = self._choose_learned(req_id, budget, sources, best)
+        elif best[0] != "static":
             score = (-2.0, -2.0)
             for source in sources:
                 length, where = self._match(req_id, source)
@@ -593,6 +624,44 @@ class SamProposer(Proposer):
                 if value > score:
                     score, best = value, (source, length, tokens)
         self._choice[req_id] = (budget, *best)
+        return best
+
+    def _choose_learned(self, req_id: str, budget: int, sources: list[str],
+                        best: tuple[str, int, list[int]]) -> tuple[str, int, list[int]]:
+        """``_choose`` with the learned rule: each source's full-budget draft
+        scored per position (``stop_rule``), the source with the highest
+        expected tokens per unit of verify cost after the cut."""
+        stop, cost = self._stop, self.relative_token_cost
+        sa = self._automata[req_id]
+        score, chosen = 1.0, None
+        for source in sources:
+            length, where = self._match(req_id, source)
+            if length < self.min_match_len:
+                continue
+            shares = None
+            if source == "dynamic" and self.continuation == "frequent":
+                tokens, shares = sa.frequent_continuation(budget, self.min_token_prob,
+                                                          self.min_match_len)
+            else:
+                tokens = self._draft_tokens(req_id, source, length, where, budget)
+            if not tokens:
+                continue
+            row = self._table(source)._row(length)[0]
+            if stop.handles(source):
+                in_prompt = source == "dynamic" and 0 <= sa.match_end() < stop.prompt_len(req_id)
+                p = stop.conditional(req_id, source, length, row, shares, len(tokens), in_prompt)
+                if stop.record is not None:
+                    stop.record(req_id, source, tokens)
+            else:   # no coefficients for it: the table's estimates
+                p = np.minimum.accumulate(np.clip(np.asarray(row[: len(tokens)]), 1e-6, 1.0))
+                p = p / np.concatenate([[1.0], p[:-1]])
+            raw = np.cumprod(p)
+            q = stop.calibrated(source, raw)
+            m, value = best_cut(q, cost)   # expected tokens per unit of verify cost
+            if m and value > score:
+                score, best, chosen = value, (source, length, tokens), (source, raw, q)
+        if chosen is not None:
+            stop.drafted(req_id, *chosen)
         return best
 
     def propose(self, req_id: str, budget: int) -> Draft:
@@ -607,6 +676,15 @@ class SamProposer(Proposer):
         """The draft ``tokens`` cut by the source's learned acceptance; remembered
         for ``observe``."""
         table = self._table(source)
+        q = None if self._stop is None else self._stop.pending_q(req_id, source, len(tokens))
+        if tokens and q is not None:
+            tokens = tokens[: self._stop.cut(source, q, self.relative_token_cost, explore=True)]
+            if not tokens:
+                return Draft.empty()
+            self._pending[req_id] = (source, match_len, tokens)
+            self.stats[f"{source}_drafts"] += 1
+            self.stats[f"{source}_tokens"] += len(tokens)
+            return Draft.chain(tokens, q[: len(tokens)])
         if tokens and self.min_accept_prob != 0:   # 0: never cut, the table unread
             tokens = tokens[: table.cut(match_len, len(tokens), self.min_accept_prob,
                                         self.relative_token_cost)]
@@ -635,6 +713,8 @@ class SamProposer(Proposer):
         self._global_matches.pop(req_id, None)
         self._tenant.pop(req_id, None)
         self._choice.pop(req_id, None)
+        if self._stop is not None:
+            self._stop.finish(req_id)
 
     def active_requests(self) -> int:
         return len(self._automata)
@@ -646,7 +726,8 @@ class SamProposer(Proposer):
                 "sam_choices": len(self._choice), "sam_corpus_matches": len(self._corpus_matches),
                 "sam_global_matches": len(self._global_matches),
                 "sam_tenants": len(self._tenant),
-                "sam_acceptance_cache": sum(len(t._rows) + len(t._best) for t in tables)}
+                "sam_acceptance_cache": sum(len(t._rows) + len(t._best) for t in tables),
+                "sam_stop_requests": 0 if self._stop is None else len(self._stop)}
 
     def state_nbytes(self) -> int:
         matches = 16 * len(self.corpora) * len(self._corpus_matches)
