@@ -101,6 +101,31 @@ def tree_rss(pid: int) -> tuple[int, dict[int, int]]:
     return sum(by_pid.values()), by_pid
 
 
+def memory_kinds(pid: int, large: int = 1 << 30) -> dict[str, float] | None:
+    """Where a process's resident memory is, in MB (from /proc/PID/smaps):
+    ``heap``, glibc's main heap (brk); ``large``, anonymous mappings of
+    ``large`` bytes or more (1 GiB: the KV cache); ``other_anon``, every other anonymous mapping
+    (thread arenas, large mallocs, torch); ``file``, mapped files (libraries).
+    None when it cannot be read."""
+    kinds = {"heap": 0, "large": 0, "other_anon": 0, "file": 0}
+    kind = None
+    try:
+        with open(f"/proc/{pid}/smaps") as f:
+            for line in f:
+                head = line.split(maxsplit=6)
+                if "-" in head[0] and len(head) >= 5 and ":" in head[3]:
+                    lo, hi = (int(x, 16) for x in head[0].split("-"))
+                    path = head[5].strip() if len(head) > 5 else ""
+                    kind = ("heap" if path == "[heap]" else
+                            "file" if path.startswith("/") else
+                            "large" if hi - lo >= large else "other_anon")
+                elif head[0] == "Rss:" and kind:
+                    kinds[kind] += int(head[1])
+    except OSError:
+        return None
+    return {k: round(v / 1024, 1) for k, v in kinds.items()}
+
+
 def find_key(obj: Any, key: str) -> Any:
     """The first value of ``key`` anywhere in nested dicts (None if absent)."""
     if isinstance(obj, dict):
@@ -193,6 +218,7 @@ def run_served(model: str, method: str, reqs: list[dict], sample_every: int,
             samples.append(_sample(done, t0, total, by_pid, engine_pid, stats, counts))
             _progress(method, samples[-1])
     return {"method": method, "mode": "served", "speculative_config": spec,
+            "ld_preload": os.environ.get("LD_PRELOAD"),
             "server_start_s": round(started, 1), "counts": counts, "samples": samples}
 
 
@@ -202,6 +228,7 @@ def _sample(done: int, t0: float, total: int, by_pid: dict, engine_pid, stats, c
             "engine_rss_mb": (round(by_pid[engine_pid] / MB, 2)
                               if engine_pid in by_pid else None),
             "rss_by_pid_mb": {str(k): round(v / MB, 2) for k, v in by_pid.items()},
+            "memory_kinds_mb": {str(k): memory_kinds(k) for k in by_pid},
             "errors": counts["errors"], "drafter": stats}
 
 
