@@ -30,12 +30,41 @@ VARIANTS = {
 }
 
 
+def store_report(report: dict, path: str) -> None:
+    """sam with the global store against sam without it, per workload,
+    cost line and category (the turn kind on agentic)."""
+    out = ["sam with the global store against without it (replay, odd halves, budget 32); "
+           "per category: tau and speedup, with / without", ""]
+    for w, res in report["workloads"].items():
+        for line, r in res.items():
+            for rule in ("table", "learned"):
+                a, b = r.get(rule), r.get(f"{rule}_nostore")
+                if a is None or b is None:
+                    continue
+                out.append(f"{w} {line} {rule}: speedup {a['speedup']:.3f} / {b['speedup']:.3f} "
+                           f"({a['speedup'] / b['speedup']:.3f}x); tau {a['tau']:.2f} / "
+                           f"{b['tau']:.2f}; nodes {a['nodes_per_step']:.2f} / "
+                           f"{b['nodes_per_step']:.2f}; drafting ms a step "
+                           f"{a['draft_ms_per_step']:.3f} / {b['draft_ms_per_step']:.3f}")
+                for c in sorted(a["by_category"]):
+                    x, y = a["by_category"][c], b["by_category"].get(c)
+                    if y is None:
+                        continue
+                    out.append(f"    {c:12s} tau {x['tau']:.2f} / {y['tau']:.2f}, speedup "
+                               f"{x['speedup']:.3f} / {y['speedup']:.3f} "
+                               f"({x['speedup'] / y['speedup']:.3f}x)")
+    Path(path).write_text("\n".join(out) + "\n")
+    print("\n".join(out))
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="", help="stop model file (default: the shipped one)")
     ap.add_argument("--workloads", default="pipeline,agentic,spec_bench")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--out", default="")
+    ap.add_argument("--store-report", default="", metavar="FILE",
+                    help="write the global store's effect per workload and category")
     args = ap.parse_args(argv)
     oracle = json.loads((REPO / "results" / "curves" / "oracle_bound.json").read_text())
     lines = [C.cpu_cost_line(), C.gpu_like_cost_line()]
@@ -57,9 +86,12 @@ def main(argv=None) -> None:
                 res[ln.name][v] = r
                 print(f"{w:10s} {ln.name:8s} {v:16s} tau {r['tau']:.3f} nodes "
                       f"{r['nodes_per_step']:.2f} rejected {r['rejected_per_step']:.2f} "
+                      f"cut early {r['cut_early_per_step']:.2f} source {r['wrong_source_per_step']:.2f} "
                       f"speedup {r['speedup']:.3f} ({r['over_suffix']:.3f}x suffix, "
                       f"oracle {o / s:.3f}x; fraction {r['oracle_fraction']:+.2f})", flush=True)
         report["workloads"][w] = res
+    if args.store_report:
+        store_report(report, args.store_report)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")

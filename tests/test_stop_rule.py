@@ -23,7 +23,8 @@ def _logit(p):
 
 
 # ------------------------------------------------------------------ features
-def _brute_row(i, match_len, table_p, shares, ewma, drafts, since, in_prompt, gen, full):
+def _brute_row(i, match_len, table_p, shares, ewma, drafts, since, in_prompt, gen, full,
+               agree):
     """One position's features, computed one by one from their definitions."""
     prev_t = 1.0 if i == 0 else max(table_p[i - 1], 1e-3)
     cond = min(max(max(table_p[i], 1e-3) / prev_t, 1e-3), 1 - 1e-3)
@@ -43,6 +44,8 @@ def _brute_row(i, match_len, table_p, shares, ewma, drafts, since, in_prompt, ge
     row["depth_x_match"] = row["depth_log"] * row["match_log"]
     row["depth_x_ewma"] = row["depth_log"] * row["ewma_logit"]
     row["depth_x_table"] = row["depth_log"] * row["table_logit"]
+    row["agree"] = 0.0 if agree is None else float(agree[i])
+    row["other_known"] = float(agree is not None)
     return [row[name] for name in S.FEATURES]
 
 
@@ -54,10 +57,26 @@ def test_features_match_their_definitions():
         shares = None if rng.random() < 0.3 else list(np.cumprod([rng.random() for _ in range(n)]))
         args = (rng.randint(0, 40), table, shares, rng.random(), rng.randint(0, 50),
                 rng.randint(0, 300), rng.random() < 0.5, rng.randint(0, 500),
-                float(rng.random() < 0.5))
+                float(rng.random() < 0.5),
+                None if rng.random() < 0.3 else np.array([float(rng.random() < 0.5)
+                                                          for _ in range(n)]))
         X = S.features(n, *args)
         want = np.array([_brute_row(i, *args) for i in range(n)])
         np.testing.assert_allclose(X, want, rtol=1e-9, atol=1e-9)
+
+
+def test_agreement_against_brute_force():
+    rng = random.Random(2)
+    for _ in range(300):
+        base = [rng.randint(0, 3) for _ in range(rng.randint(1, 8))]
+        others = [[rng.randint(0, 3) for _ in range(rng.randint(0, 8))]
+                  for _ in range(rng.randint(0, 3))]
+        got = S.agreement(base, others)
+        if not others:
+            assert got is None
+            continue
+        want = [float(any(o[:i + 1] == base[:i + 1] for o in others)) for i in range(len(base))]
+        assert got.tolist() == want
 
 
 def _earlier_next_counts(tokens, length):

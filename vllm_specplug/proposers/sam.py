@@ -63,7 +63,7 @@ from .base import SHARED, Draft, Proposer, RequestInfo, TargetTopK
 if TYPE_CHECKING:
     from .global_store import GlobalMatch
     from .tenants import TenantStores
-from .stop_rule import LearnedStop, StopModel, StopModelError, best_cut
+from .stop_rule import LearnedStop, StopModel, StopModelError, agreement, best_cut
 from .suffix_automaton import SuffixAutomaton
 
 # Occurrence counts are kept for the 32 longest suffixes of each new token.
@@ -634,6 +634,7 @@ class SamProposer(Proposer):
         stop, cost = self._stop, self.relative_token_cost
         sa = self._automata[req_id]
         score, chosen = 1.0, None
+        drafts = []
         for source in sources:
             length, where = self._match(req_id, source)
             if length < self.min_match_len:
@@ -644,12 +645,15 @@ class SamProposer(Proposer):
                                                           self.min_match_len)
             else:
                 tokens = self._draft_tokens(req_id, source, length, where, budget)
-            if not tokens:
-                continue
+            if tokens:
+                drafts.append((source, length, tokens, shares))
+        for source, length, tokens, shares in drafts:
             row = self._table(source)._row(length)[0]
             if stop.handles(source):
                 in_prompt = source == "dynamic" and 0 <= sa.match_end() < stop.prompt_len(req_id)
-                p = stop.conditional(req_id, source, length, row, shares, len(tokens), in_prompt)
+                agree = agreement(tokens, [d[2] for d in drafts if d[0] != source])
+                p = stop.conditional(req_id, source, length, row, shares, len(tokens), in_prompt,
+                                     agree)
                 if stop.record is not None:
                     stop.record(req_id, source, tokens)
             else:   # no coefficients for it: the table's estimates

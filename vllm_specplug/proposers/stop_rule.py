@@ -44,7 +44,7 @@ VERSION = 1
 FEATURES = ("bias", "depth_log", "depth0", "match_log", "table_logit", "share_logit",
             "share_known", "cum_share_log", "ewma_logit", "ewma_drafts_log",
             "since_reject_log", "in_prompt", "generated_log", "last_full",
-            "depth_x_match", "depth_x_ewma", "depth_x_table")
+            "depth_x_match", "depth_x_ewma", "depth_x_table", "agree", "other_known")
 SOURCES = ("dynamic", "global", "static")
 #: upper edges of the calibration bins of an estimate q (the last bin: up to 1)
 CALIB_EDGES = np.array([0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9])
@@ -145,14 +145,16 @@ class _Request:
 
 def features(depths: int, match_len: int, table_p: Sequence[float],
              shares: Sequence[float] | None, ewma: float, ewma_drafts: int,
-             since_reject: int, in_prompt: bool, generated: int, last_full: float
-             ) -> np.ndarray:
+             since_reject: int, in_prompt: bool, generated: int, last_full: float,
+             agree: np.ndarray | None = None) -> np.ndarray:
     """The feature matrix (``depths`` rows, ``FEATURES`` columns) of one
     candidate draft. ``table_p``: the source table's estimates that the
     draft is accepted through each position (at least ``depths`` of them);
     ``shares``: the products of the most frequent continuation's shares
     through each position (``SuffixAutomaton.frequent_continuation``), or
-    None when the source does not give them."""
+    None when the source does not give them; ``agree``: per position, 1
+    where another source's draft has the same tokens up to there (None: no
+    other source drafted)."""
     X = np.empty((depths, len(FEATURES)))
     d = np.arange(depths)
     X[:, 0] = 1.0
@@ -180,7 +182,27 @@ def features(depths: int, match_len: int, table_p: Sequence[float],
     X[:, 14] = X[:, 1] * X[:, 3]
     X[:, 15] = X[:, 1] * X[:, 8]
     X[:, 16] = X[:, 1] * X[:, 4]
+    if agree is None:
+        X[:, 17:19] = 0.0
+    else:
+        X[:, 17] = agree[:depths]
+        X[:, 18] = 1.0
     return X
+
+
+def agreement(tokens: Sequence[int], others: Sequence[Sequence[int]]) -> np.ndarray | None:
+    """Per position of ``tokens``: 1.0 where some other draft has the same
+    tokens from the first through that position; None without others."""
+    if not others:
+        return None
+    out = np.zeros(len(tokens))
+    for other in others:
+        n = min(len(tokens), len(other))
+        i = 0
+        while i < n and tokens[i] == other[i]:
+            i += 1
+        out[:i] = 1.0
+    return out
 
 
 def best_cut(q: np.ndarray, relative_cost: float) -> tuple[int, float]:
@@ -233,15 +255,15 @@ class LearnedStop:
 
     # ------------------------------------------------------------ scoring
     def conditional(self, req_id: str, source: str, match_len: int, table_p: Sequence[float],
-                    shares: Sequence[float] | None, depths: int, in_prompt: bool
-                    ) -> np.ndarray:
+                    shares: Sequence[float] | None, depths: int, in_prompt: bool,
+                    agree: np.ndarray | None = None) -> np.ndarray:
         """Per position, the probability of acceptance given the positions
         before (the model's raw estimates)."""
         r = self._req[req_id]
         s = SOURCES.index(source)
         ewma = (r.num[s] + 1.0) / (r.den[s] + 2.0)
         X = self.last_features = features(depths, match_len, table_p, shares, ewma, r.drafts[s], r.since_reject,
-                     in_prompt, r.generated, r.last_full)
+                     in_prompt, r.generated, r.last_full, agree)
         z = X @ self.model.coef[source]
         return 1.0 / (1.0 + np.exp(-z))
 
