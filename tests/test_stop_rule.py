@@ -308,3 +308,34 @@ def test_fit_logistic_recovers_known_coefficients():
     y = (rng.random(20000) < 1 / (1 + np.exp(-X @ w))).astype(float)
     got = fit_logistic(X, y, l2=1e-6)
     np.testing.assert_allclose(got, w, atol=0.1)
+
+
+def test_fit_stop_writes_a_file_sam_loads(tmp_path, monkeypatch):
+    """``specplug fit-stop`` end to end on small records: the file it writes
+    loads, drives sam, and does not depend on the shipped file (a stale
+    shipped file must not stop a refit)."""
+    from vllm_specplug.bench import stop_fit
+    from vllm_specplug.bench.simulate import replay_many
+
+    rng = random.Random(7)
+    recs = tmp_path / "recs.jsonl"
+    with recs.open("w") as f:
+        for i in range(24):
+            block = [rng.randint(0, 60) for _ in range(30)]
+            noise = [rng.randint(0, 60) for _ in range(20)]
+            f.write(json.dumps({"prompt_ids": block + [1, 2], "pos": i,
+                                "output_ids": block[:20] + noise + block}) + "\n")
+    out = tmp_path / "stop.json"
+    monkeypatch.setattr(S, "default_path", lambda: tmp_path / "no_shipped_file.json")
+    stop_fit.main([str(recs)], str(out), "even", [0.05], rounds=1)
+    data = json.loads(out.read_text())
+    assert data["fitted_on"] == {"recs": 12}
+    model = S.StopModel.load(out)
+    assert set(model.coef) >= {"dynamic"}
+    sam = SamProposer(16, sam_stop="learned", sam_stop_file=str(out))
+    sam.relative_token_cost = 0.05
+    rows = [json.loads(line) for line in recs.read_text().splitlines()]
+    res = replay_many(sam, [(r["prompt_ids"], r["output_ids"]) for r in rows[1::2]], 16)
+    assert res["accepted"] >= 100, res
+    with pytest.raises(SystemExit, match="relative token cost"):
+        stop_fit.cost_values(["1.5"])

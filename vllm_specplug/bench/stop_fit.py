@@ -26,7 +26,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..proposers.stop_rule import FEATURES, SOURCES, StopModel
+from ..proposers.stop_rule import FEATURES, SOURCES, LearnedStop, StopModel
 from .simulate import accepted_length
 
 BUDGET = 32
@@ -44,9 +44,9 @@ def initial_model() -> StopModel:
 def _proposer(model: StopModel | None, relative_token_cost: float, **opts):
     from ..proposers.sam import SamProposer
 
-    sam = SamProposer(BUDGET, **({"sam_stop": "learned"} if model is not None else {}), **opts)
-    if model is not None:
-        sam._stop.model = model
+    sam = SamProposer(BUDGET, **opts)
+    if model is not None:   # the learned rule with this model (not the shipped file's)
+        sam._stop = LearnedStop(model)
     sam.relative_token_cost = relative_token_cost
     return sam
 
