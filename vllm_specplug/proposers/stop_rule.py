@@ -49,6 +49,9 @@ SOURCES = ("dynamic", "global", "static")
 #: upper edges of the calibration bins of an estimate q (the last bin: up to 1)
 CALIB_EDGES = np.array([0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9])
 N_BINS = CALIB_EDGES.size + 1
+#: depth bands of the calibration: position i is in band CALIB_BAND[min(i, 15)]
+CALIB_BAND = np.array([0, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3, 4])
+N_BANDS = 5
 #: pseudo-count (in positions) of the calibration's prior "as estimated", and
 #: the decay of its sums per verified position
 CALIB_PRIOR = 20.0
@@ -226,8 +229,8 @@ class LearnedStop:
     def __init__(self, model: StopModel) -> None:
         self.model = model
         # per source and bin: decayed sums of estimates and of outcomes
-        self.calib_est = np.zeros((len(SOURCES), N_BINS))
-        self.calib_hit = np.zeros((len(SOURCES), N_BINS))
+        self.calib_est = np.zeros((len(SOURCES), N_BANDS, N_BINS))
+        self.calib_hit = np.zeros((len(SOURCES), N_BANDS, N_BINS))
         self.proposals = [0] * len(SOURCES)
         self._req: dict[str, _Request] = {}
         # the last candidate's feature matrix, and a callback given each
@@ -273,9 +276,10 @@ class LearnedStop:
         kept non-increasing and at most 1."""
         s = SOURCES.index(source)
         b = np.searchsorted(CALIB_EDGES, q, side="right")
+        d = CALIB_BAND[np.minimum(np.arange(q.size), CALIB_BAND.size - 1)]
         # the prior: CALIB_PRIOR positions whose outcomes matched their estimate q
-        ratio = ((self.calib_hit[s, b] + CALIB_PRIOR * q)
-                 / (self.calib_est[s, b] + CALIB_PRIOR * q))
+        ratio = ((self.calib_hit[s, d, b] + CALIB_PRIOR * q)
+                 / (self.calib_est[s, d, b] + CALIB_PRIOR * q))
         return np.minimum.accumulate(np.minimum(q * ratio, 1.0))
 
     def cut(self, source: str, q: np.ndarray, relative_cost: float, explore: bool) -> int:
@@ -332,5 +336,6 @@ class LearnedStop:
         self.calib_est[s] *= decay
         self.calib_hit[s] *= decay
         bins = np.searchsorted(CALIB_EDGES, raw[:n], side="right")
-        np.add.at(self.calib_est[s], bins, raw[:n])
-        np.add.at(self.calib_hit[s], bins, (np.arange(n) < accepted).astype(np.float64))
+        bands = CALIB_BAND[np.minimum(np.arange(n), CALIB_BAND.size - 1)]
+        np.add.at(self.calib_est[s], (bands, bins), raw[:n])
+        np.add.at(self.calib_hit[s], (bands, bins), (np.arange(n) < accepted).astype(np.float64))
