@@ -196,3 +196,30 @@ def test_step_cost_model_has_fixed_size():
     for _ in range(20_000):
         model.add(rng.randrange(1, 64), 0.01 + 0.001 * rng.random())
     assert model._s.nbytes == size and model.samples > 10_000
+
+
+# ------------------------------------------------------- sam's learned stop rule
+def test_learned_stop_state_is_bounded_and_freed():
+    """sam_stop "learned": the calibration arrays keep their shape whatever
+    the traffic; the per-request counters live while the request does."""
+    from vllm_specplug.proposers.sam import SamProposer
+
+    sam = SamProposer(16, sam_stop="learned", sam_global_tokens=0)
+    sam.relative_token_cost = 0.05
+    rng = random.Random(0)
+    shapes = (sam._stop.calib_est.shape, sam._stop.calib_hit.shape)
+    for r in range(60):
+        rid = f"r{r}"
+        text = [rng.randint(0, 30) for _ in range(40)]
+        sam.start(rid, text)
+        for _ in range(20):
+            d = sam.propose(rid, 16)
+            sam.observe(rid, list(d.tokens[:2]) + [rng.randint(0, 30)])
+        if r % 3:           # a third of the requests are still running
+            sam.complete(rid)
+            sam.finish(rid)
+    assert sam.structure_sizes()["sam_stop_requests"] == 20 == sam.active_requests()
+    assert (sam._stop.calib_est.shape, sam._stop.calib_hit.shape) == shapes
+    for r in range(0, 60, 3):
+        sam.finish(f"r{r}")
+    assert sam.structure_sizes()["sam_stop_requests"] == 0

@@ -260,28 +260,6 @@ def test_calibration_learns_that_a_source_fails_and_drafts_shrink():
     np.testing.assert_allclose(stop.calibrated("global", raw), before)
 
 
-def test_learned_state_is_bounded_and_freed():
-    sam = SamProposer(16, sam_stop="learned", sam_global_tokens=0)
-    sam.relative_token_cost = 0.05
-    rng = random.Random(0)
-    shapes = (sam._stop.calib_est.shape, sam._stop.calib_hit.shape)
-    for r in range(60):
-        rid = f"r{r}"
-        text = [rng.randint(0, 30) for _ in range(40)]
-        sam.start(rid, text)
-        for _ in range(20):
-            d = sam.propose(rid, 16)
-            sam.observe(rid, list(d.tokens[:2]) + [rng.randint(0, 30)])
-        if r % 3:           # a third of the requests are still running
-            sam.complete(rid)
-            sam.finish(rid)
-    assert sam.structure_sizes()["sam_stop_requests"] == 20 == sam.active_requests()
-    assert (sam._stop.calib_est.shape, sam._stop.calib_hit.shape) == shapes
-    for r in range(0, 60, 3):
-        sam.finish(f"r{r}")
-    assert sam.structure_sizes()["sam_stop_requests"] == 0
-
-
 def test_learned_sam_drafts_and_accepts_on_repetitive_text():
     """Drafts only change speed; a floor on accepted draft tokens so the
     rule is exercised (greedy identity is the engine test's)."""
