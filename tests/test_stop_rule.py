@@ -317,3 +317,20 @@ def test_fit_stop_writes_a_file_sam_loads(tmp_path, monkeypatch):
     assert res["accepted"] >= 100, res
     with pytest.raises(SystemExit, match="relative token cost"):
         stop_fit.cost_values(["1.5"])
+
+
+@pytest.mark.parametrize("spec, words", [
+    ({"sam_stop": "learned", "sam_min_accept_prob": 0.3}, "sam_min_accept_prob"),
+    ({"sam_stop_file": str(S.default_path())}, "read only with sam_stop 'learned'"),
+    ({"sam_stop": "table", "sam_stop_file": str(S.default_path())},
+     "read only with sam_stop 'learned'"),
+])
+def test_contradictory_stop_options_are_refused_before_the_engine(spec, words):
+    from vllm_specplug.config import translate
+
+    for method in ("sam", "sam_tr"):
+        with pytest.raises(SpecPlugConfigError, match=words):
+            translate({"method": method, "num_speculative_tokens": 8, **spec})
+    # the learned rule with the shipped file (named or not) is accepted
+    for extra in ({}, {"sam_stop_file": str(S.default_path())}):
+        translate({"method": "sam", "num_speculative_tokens": 8, "sam_stop": "learned", **extra})

@@ -328,6 +328,19 @@ class SamProposer(Proposer):
     )
 
     @classmethod
+    def check_options(cls, num_speculative_tokens: int, options: dict) -> None:
+        stop = options.get("sam_stop", "table")
+        if stop == "learned" and options.get("sam_min_accept_prob") is not None:
+            raise SpecPlugConfigError(
+                "speculative_config['sam_min_accept_prob'] is the table rule's threshold and "
+                "is not read with sam_stop 'learned' (which cuts by the measured verify "
+                "cost); remove one of them")
+        if stop != "learned" and options.get("sam_stop_file"):
+            raise SpecPlugConfigError(
+                "speculative_config['sam_stop_file'] is read only with sam_stop 'learned'; "
+                "add \"sam_stop\": \"learned\" or remove sam_stop_file")
+
+    @classmethod
     def check_model(cls, options: dict, tokenizer: str) -> None:
         paths = corpus_paths(options.get("sam_corpus", ""))
         if not paths:
