@@ -1,0 +1,428 @@
+"""SamProposer's edges that its life-cycle and property tests
+(tests/test_sam_proposer.py, tests/test_global_store.py) do not reach: option
+defaults and checks, the acceptance table's sums and caches, the statistics,
+where each source's draft and estimate come from, the per-step choice cache,
+the static corpus match against brute force, and the sizes it reports.
+Written for the survivors of mutation testing (results/mutation/2026-12-04/
+sam.txt; docs/testing.md). No vLLM."""
+from __future__ import annotations
+
+import inspect
+import math
+
+import numpy as np
+import pytest
+
+from vllm_specplug.config import translate
+from vllm_specplug.options import SpecPlugConfigError
+from vllm_specplug.proposers import corpus_automaton
+from vllm_specplug.proposers import sam as sam_module
+from vllm_specplug.proposers.base import Draft, RequestInfo
+from vllm_specplug.proposers.corpus_automaton import build_corpus_automaton
+from vllm_specplug.proposers.sam import AcceptanceByMatchLength, SamProposer
+from vllm_specplug.proposers.suffix_automaton import SuffixAutomaton
+
+CTX = [1, 2, 3, 4, 5, 1, 2, 3]      # match [1, 2, 3]; "frequent" drafts the period 4 5 1 2 3
+PERIOD = [4, 5, 1, 2, 3, 4, 5, 1]
+NO_CUT = {"sam_min_accept_prob": 0.0}
+IDENTITY = {"name": "t", "vocab_sha256": "0123456789abcdef" * 4}
+
+
+def _corpus(tmp_path, docs, name="c.sam") -> str:
+    path = tmp_path / name
+    build_corpus_automaton(docs, 0, IDENTITY, path, progress=False)
+    return str(path)
+
+
+def _own(**options) -> SamProposer:
+    """A proposer drafting from the request's own text only (no global store)."""
+    return SamProposer(8, sam_global_tokens=0, **options)
+
+
+# ------------------------------------------------------------- options
+def test_constructor_defaults_are_the_options_defaults():
+    """The engine passes every option; a proposer built in code (tests,
+    benchmarks, the warm-up's twin) gets the constructor's defaults: they
+    must be the documented ones."""
+    params = inspect.signature(SamProposer.__init__).parameters
+    assert {o.name: o.default for o in SamProposer.options} == {
+        name: p.default for name, p in params.items()
+        if name not in ("self", "num_speculative_tokens")}
+
+
+@pytest.mark.parametrize("tokens,ok", [(0, True), (1, False), (1023, False), (1024, True)])
+def test_global_tokens_is_zero_or_at_least_the_minimum(tokens, ok):
+    spec = {"method": "sam", "sam_global_tokens": tokens}
+    if ok:
+        translate(spec)
+    else:
+        with pytest.raises(SpecPlugConfigError, match="at least 1024"):
+            translate(spec)
+
+
+def test_check_model_without_a_corpus_loads_no_tokenizer(monkeypatch):
+    def fail(path):
+        raise AssertionError("loaded a tokenizer")
+
+    monkeypatch.setattr(corpus_automaton, "load_tokenizer_identity", fail)
+    SamProposer.check_model({}, "/no/such/tokenizer")
+    SamProposer.check_model({"sam_corpus": ""}, "/no/such/tokenizer")
+
+
+def test_check_model_names_a_tokenizer_it_cannot_load(tmp_path, monkeypatch):
+    path = _corpus(tmp_path, [[1, 2, 3]])
+
+    def fail(tokenizer):
+        raise OSError("no such folder")
+
+    monkeypatch.setattr(corpus_automaton, "load_tokenizer_identity", fail)
+    with pytest.raises(SpecPlugConfigError,
+                       match=r"cannot load the model's tokenizer '/no/tok' to check the "
+                             r"corpus files against it: no such folder"):
+        SamProposer.check_model({"sam_corpus": path}, "/no/tok")
+
+
+def test_check_model_names_both_vocabularies_by_12_hex_digits(tmp_path, monkeypatch):
+    path = _corpus(tmp_path, [[1, 2, 3]])
+    monkeypatch.setattr(corpus_automaton, "load_tokenizer_identity",
+                        lambda tok: {"name": "other", "vocab_sha256": "fedcba9876543210" * 4})
+    with pytest.raises(SpecPlugConfigError) as e:
+        SamProposer.check_model({"sam_corpus": path}, "/m")
+    message = str(e.value)
+    assert "vocabulary sha256 0123456789ab)" in message, message
+    assert "vocabulary sha256 fedcba987654)" in message, message
+
+
+# ------------------------------------------------------ acceptance table
+def _fed_table(k=8) -> AcceptanceByMatchLength:
+    t = AcceptanceByMatchLength(k)
+    for drafted, accepted in ((8, 3), (8, 8), (4, 0), (6, 2), (8, 5)):
+        t.update(3, drafted, accepted)
+    return t
+
+
+def test_expected_is_the_sum_of_the_first_n_estimates():
+    t = _fed_table()
+    p = t.prob(3)
+    for n in range(0, 9):
+        assert t.expected(3, n) == pytest.approx(float(np.sum(p[:n]))), n
+
+
+def test_best_length_follows_the_cost_asked():
+    t = AcceptanceByMatchLength(8)          # fresh: every estimate 0.5
+    assert t.best_length(3, 8, 0.0) == 8    # verifying is free: keep all
+    assert t.best_length(3, 8, 1.0) == 0    # a token costs more than it brings
+    assert t.best_length(3, 8, 0.0) == 8
+    assert t.cut(3, 8, None) == 8           # no cost given: free
+
+
+def test_rows_and_best_lengths_are_computed_once_per_update(monkeypatch):
+    calls = {"prob": 0, "best": 0}
+    prob, best = AcceptanceByMatchLength.prob, AcceptanceByMatchLength._best_lengths
+
+    def counting_prob(self, match_len):
+        calls["prob"] += 1
+        return prob(self, match_len)
+
+    def counting_best(p, cost):
+        calls["best"] += 1
+        return best(p, cost)
+
+    monkeypatch.setattr(AcceptanceByMatchLength, "prob", counting_prob)
+    monkeypatch.setattr(AcceptanceByMatchLength, "_best_lengths", staticmethod(counting_best))
+    t = _fed_table()
+    for _ in range(5):
+        t.expected(3, 4)
+        t.best_length(3, 8, 0.08)
+    assert calls == {"prob": 1, "best": 1}
+    t.update(3, 8, 1)
+    t.best_length(3, 8, 0.08)
+    assert calls == {"prob": 2, "best": 2}
+
+
+# ------------------------------------------------------------ statistics
+def test_drafts_tokens_and_accepted_add_up_over_steps():
+    prop = _own(**NO_CUT)
+    prop.start("r", CTX)
+    d1 = prop.propose("r", 8)
+    assert d1.tokens.tolist() == PERIOD
+    prop.draft_cut("r", Draft.chain(d1.tokens[:3]))    # the batch budget kept 3
+    prop.observe("r", [4, 5, 1, 2])                     # all 3 accepted, then the bonus
+    assert prop.acceptance.tried[3].tolist() == [1, 1, 1, 0, 0, 0, 0, 0]
+    assert prop.acceptance.accepted[3].tolist() == [1, 1, 1, 0, 0, 0, 0, 0]
+    d2 = prop.propose("r", 8)
+    assert len(d2) == 8
+    prop.observe("r", d2.tokens[:1].tolist() + [99])
+    s = prop.debug_stats()
+    assert (s["dynamic_drafts"], s["dynamic_tokens"], s["dynamic_accepted"]) == (2, 11, 4), s
+
+
+def test_tokens_committed_past_the_draft_count_the_whole_draft():
+    """Tokens committed over more than one step (a step the drafter did not
+    see) after a fully accepted draft: the whole draft counts, nothing raises."""
+    prop = _own(**NO_CUT)
+    prop.start("r", CTX)
+    d = prop.propose("r", 4).tokens.tolist()
+    prop.observe("r", d + [7, 7, 7])
+    assert prop.debug_stats()["dynamic_accepted"] == 4
+
+
+def test_each_source_feeds_its_own_acceptance_table(tmp_path):
+    path = _corpus(tmp_path, [list(range(10, 40))])
+    prop = _own(sam_corpus=path, **NO_CUT)
+    prop.start("r", [77, 12, 13, 14])                  # own match 0, static match 3
+    d = prop.propose("r", 4).tokens.tolist()
+    assert d == [15, 16, 17, 18]
+    prop.observe("r", [15, 16, 99])
+    assert prop.static_acceptance.tried.sum() == 4
+    assert prop.static_acceptance.accepted.sum() == 2
+    assert prop.acceptance.tried.sum() == prop.global_acceptance.tried.sum() == 0
+
+
+# ---------------------------------------------------------- draft sources
+def _with_documents(*docs, **options) -> SamProposer:
+    prop = SamProposer(8, **options)
+    for doc in docs:
+        prop.stores.add((), doc)
+    return prop
+
+
+def test_frequent_global_drafts_are_not_capped_by_the_spec_factor():
+    prop = _with_documents(list(range(1, 21)), **NO_CUT)
+    prop.start("r", [50, 51, 5])                        # own match 0; global "5"
+    assert prop.propose("r", 8).tokens.tolist() == list(range(6, 14))
+
+
+@pytest.mark.parametrize("continuation,draft", [("first", [1, 1]), ("frequent", [2])])
+def test_global_drafts_follow_the_continuation_rule(continuation, draft):
+    # after 5: 1 first (once), 2 most often (twice, a share of 2/3)
+    prop = _with_documents([5, 1, 1], [5, 2], [5, 2], sam_continuation=continuation, **NO_CUT)
+    prop.start("r", [60, 5])
+    assert prop.propose("r", 8).tokens.tolist() == draft
+
+
+def test_min_match_len_bounds_the_walk_to_shorter_matches():
+    # own text, "first": the match's first occurrence has 7 tokens after it;
+    # a shorter match (length 1 or 2) would give 8, but sam_min_match_len is 3
+    own = _own(sam_continuation="first", sam_min_match_len=3, **NO_CUT)
+    own.start("r", [3, 2, 3, 3, 3, 2, 3, 1, 2, 3, 3])
+    assert own.propose("r", 8).tokens.tolist() == [3, 2, 3, 1, 2, 3, 3]
+    # global store, "frequent": the walk ends after [2, 3] unless it may fall
+    # back to a match shorter than 3
+    glob = _with_documents([3, 2, 1, 2, 3], [3, 1, 2, 2, 3, 2, 3], [1, 3, 2, 2, 2, 3],
+                           sam_min_match_len=3, **NO_CUT)
+    glob.start("r", [2, 1, 3, 2, 1])                    # own match 2 (< 3); global 3
+    assert glob.propose("r", 8).tokens.tolist() == [2, 3]
+
+
+def test_a_tie_between_sources_goes_to_the_own_text():
+    prop = _with_documents([1, 2, 3, 60, 61, 62, 63, 64, 65, 66, 67], **NO_CUT)
+    prop.start("r", CTX)                                # both match [1, 2, 3], 8 tokens each
+    assert prop.propose("r", 8).tokens.tolist() == PERIOD
+    s = prop.debug_stats()
+    assert (s["dynamic_drafts"], s["global_drafts"]) == (1, 0), s
+
+
+def test_reading_the_store_does_not_create_a_tenants_store():
+    prop = SamProposer(8)
+    prop.stores.add((), [1, 2, 3, 4])
+    prop.start("r", CTX, RequestInfo(tenant=("salt-a",)))
+    prop.propose("r", 8)
+    assert ("salt-a",) not in prop.stores and len(prop.stores) == 1
+
+
+def test_value_of_an_empty_draft_is_below_any_draft():
+    prop = _own(sam_min_accept_prob=0.9)               # a fresh 0.5 estimate is cut: 0 kept
+    assert prop._value("dynamic", 3, 0) < prop._value("dynamic", 3, 1) == (0.0, 0.5)
+    never = _own(**NO_CUT)
+    never.relative_token_cost = 1.0                     # best_length would keep 0
+    assert never._value("dynamic", 3, 4) == (2.0, 0.5)
+
+
+@pytest.mark.parametrize("min_accept_prob,cost,fetched", [
+    (None, 1.0, 1),      # the cost cut keeps 0: fetch 1 (the exploration step)
+    (None, 0.0, 8),
+    (0.9, 0.08, 1),      # the threshold cut keeps 0
+    (1.0, 0.08, 1),
+    (0.0, 1.0, 8),       # 0: never cut
+])
+def test_the_walk_fetches_the_cut_plus_one(monkeypatch, min_accept_prob, cost, fetched):
+    asked = []
+    walk = SuffixAutomaton.frequent_continuation
+
+    def counting(self, max_tokens, *args, **kwargs):
+        asked.append(max_tokens)
+        return walk(self, max_tokens, *args, **kwargs)
+
+    monkeypatch.setattr(SuffixAutomaton, "frequent_continuation", counting)
+    prop = _own(sam_min_accept_prob=min_accept_prob)
+    prop.relative_token_cost = cost
+    prop.start("r", CTX)
+    prop.propose("r", 8)
+    assert asked == [fetched]
+
+
+# ------------------------------------------------------- the step's choice
+def test_the_choice_is_made_once_a_step(monkeypatch):
+    calls = []
+    walk = SuffixAutomaton.frequent_continuation
+    monkeypatch.setattr(SuffixAutomaton, "frequent_continuation",
+                        lambda self, *a, **k: calls.append(a) or walk(self, *a, **k))
+    prop = _own(**NO_CUT)
+    prop.start("r", CTX)
+    assert prop.match_len("r") == 3                     # sam_tr asks first, then drafts
+    assert prop.propose("r", 8).tokens.tolist() == PERIOD
+    assert len(calls) == 1
+    prop.start("s", CTX)
+    prop.match_len("s")
+    assert len(prop.propose("s", 2)) == 2               # another budget: chosen again
+
+
+def _fresh_draft(history: list[list[int]]) -> list[int]:
+    prop = _own(**NO_CUT)
+    prop.start("r", history[0])
+    for committed in history[1:]:
+        prop.observe("r", committed)
+    return prop.propose("r", 8).tokens.tolist()
+
+
+def test_a_new_start_or_step_forgets_the_choice():
+    prop = _own(**NO_CUT)
+    prop.start("r", CTX)
+    prop.match_len("r")
+    prop.observe("r", [4, 5, 1])
+    assert prop.propose("r", 8).tokens.tolist() == _fresh_draft([CTX, [4, 5, 1]])
+    prop.match_len("r")
+    prop.start("r", [7, 8, 9, 7, 8])                    # restarted (preempted) elsewhere
+    assert prop.propose("r", 8).tokens.tolist() == _fresh_draft([[7, 8, 9, 7, 8]])
+    prop.match_len("r")
+    prop.finish("r")
+    assert prop.structure_sizes()["sam_choices"] == 0
+
+
+# ------------------------------------------------------------ static corpus
+def _first_match(corpora: list[list[int]], prompt: list[int], k: int):
+    """Brute force: (corpus index, length, draft) of the longest suffix of
+    ``prompt`` in any corpus (the first listed on a tie; -1 and 0: none), the
+    draft being the tokens after its first occurrence, up to the EOS (0)."""
+    best = (-1, 0, [])
+    for i, flat in enumerate(corpora):
+        for length in range(len(prompt), best[1], -1):
+            tail = prompt[-length:]
+            at = next((j for j in range(len(flat) - length + 1)
+                       if flat[j:j + length] == tail), None)
+            if at is not None:
+                rest = flat[at + length:]
+                end = rest.index(0) if 0 in rest else len(rest)
+                best = (i, length, rest[:min(end, k)])
+                break
+    return best
+
+
+def test_static_matches_are_the_longest_first_occurrences(tmp_path):
+    rng = np.random.default_rng(7)
+    corpora, paths = [], []
+    for c in range(2):
+        docs = [rng.integers(1, 4, int(rng.integers(5, 30))).tolist() for _ in range(6)]
+        corpora.append([t for d in docs for t in d + [0]])
+        paths.append(_corpus(tmp_path, docs, f"c{c}.sam"))
+    prop = _own(sam_corpus=",".join(paths))
+    ties = 0
+    for r in range(300):
+        prompt = rng.integers(1, 5, int(rng.integers(1, 10))).tolist()   # 4: in no corpus
+        prop.start(f"r{r}", prompt)
+        index, state, length = prop._static_match(f"r{r}")
+        want = _first_match(corpora, prompt, 6)
+        assert (index, length) == want[:2], (prompt, index, length, want)
+        if index >= 0:
+            assert prop.corpora[index].continuation(state, length, 6).tolist() == want[2]
+        ties += index == 0 and _first_match(corpora[1:], prompt, 6)[1] == length
+        prop.finish(f"r{r}")
+    assert ties > 10                                    # the first listed won real ties
+
+
+def test_corpus_bias_without_a_corpus_is_harmless():
+    prop = _own(sam_corpus_bias=2, **NO_CUT)
+    prop.start("r", CTX)
+    assert prop.match_len("r") == 3
+    assert prop.propose("r", 8).tokens.tolist() == PERIOD
+
+
+def test_corpus_bias_counts_the_global_match_as_the_requests_own():
+    prop = _with_documents([1, 2, 3, 4, 5, 6, 7, 8], sam_corpus_bias=2, **NO_CUT)
+    prop.start("r", [9, 1, 2, 3, 4])                    # own match 0, global 4
+    assert prop.match_len("r") == 4
+
+
+def test_corpus_bias_rule_keeps_the_min_match_len(tmp_path):
+    path = _corpus(tmp_path, [list(range(10, 40))])
+    prop = _own(sam_corpus=path, sam_corpus_bias=0, sam_min_match_len=3, **NO_CUT)
+    prop.start("r", [77, 12, 13])                       # static match 2 < 3
+    assert len(prop.propose("r", 4)) == 0
+    prop.observe("r", [14])                             # static match 3
+    assert prop.propose("r", 4).tokens.tolist() == [15, 16, 17, 18]
+
+
+# ------------------------------------------------------- the global store
+def test_a_restarted_request_is_the_newest_prompt_length(monkeypatch):
+    monkeypatch.setattr(sam_module, "MAX_TRACKED_PROMPTS", 2)
+    prop = SamProposer(8)
+    for r in ("x", "y", "z"):
+        prop.start(r, [7, 7, 7])
+    assert prop.structure_sizes()["sam_prompt_lens"] == 2
+    prop = SamProposer(8)
+    prop.start("a", [1, 2, 3, 40, 41], RequestInfo(num_prompt_tokens=3))
+    prop.start("b", [5, 6, 7])
+    prop.start("a", [1, 2, 3, 40, 41], RequestInfo(num_prompt_tokens=3))   # preempted, back
+    prop.start("c", [8, 9])                             # forgets the oldest: b, not a
+    prop.complete("a")
+    prop.finish("a")
+    prop.start("d", [1])
+    assert prop.global_store.documents() == [[40, 41]]
+
+
+def test_failed_insertions_are_counted_and_the_error_names_its_cause():
+    prop = SamProposer(8)
+    for r in ("b", "a"):
+        prop.start(r, [1, 2, 3], RequestInfo(num_prompt_tokens=1))
+    for r in ("b", "a"):
+        prop.complete(r)
+        prop.finish(r)
+    cause = ValueError("store full")
+
+    def add(key, tokens):
+        raise cause
+
+    prop.stores.add = add
+    with pytest.raises(RuntimeError, match=r"request a: ValueError: store full") as e:
+        prop.start("x", [1])
+    assert e.value.__cause__ is cause
+    assert prop.debug_stats()["global_store_failed_documents"] == 2
+
+
+# ------------------------------------------------------------------- sizes
+def test_sizes_bytes_and_stats_report_every_structure(tmp_path):
+    path = _corpus(tmp_path, [list(range(10, 40))])
+    prop = SamProposer(8, sam_corpus=path)
+    prop.stores.add((), [1, 2, 3, 4, 5, 6])
+    prop.start("r1", [1, 2, 3, 12, 13])
+    prop.start("r2", CTX)
+    prop.propose("r1", 8)
+    prop.match_len("r2")
+    tables = (prop.acceptance, prop.global_acceptance, prop.static_acceptance)
+    cache = sum(len(t._rows) + len(t._best) for t in tables)
+    assert cache > 0 and any(t._best for t in tables)
+    sizes = prop.structure_sizes()
+    sizes.pop("sam_stop_requests", None)                # sam_stop "learned" only
+    assert sizes == {"sam_requests": 2, "sam_prompt_lens": 2, "sam_completed": 0,
+                     "sam_pending": 1, "sam_choices": 1, "sam_corpus_matches": 2,
+                     "sam_global_matches": 2, "sam_tenants": 2, "sam_acceptance_cache": cache}
+    # the automata, two int64 a corpus match, a [state, length, version] list
+    # (48 bytes) a segment a request has a global match in
+    segments = sum(len(m.per_segment) for m in prop._global_matches.values())
+    assert segments == 2
+    assert prop.state_nbytes() == (sum(sa.nbytes() for sa in prop._automata.values())
+                                   + 16 * 1 * 2 + 48 * segments)
+    stats = prop.debug_stats()
+    assert stats["global_store_bytes"] == prop.stores.resident_nbytes() > 0
+    assert stats["global_store_tokens"] == 6 and stats["global_store_tenants"] == 1
