@@ -20,7 +20,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from acceptance_curves import RECORDS  # noqa: E402
 from vllm_specplug.bench import curves as C  # noqa: E402
-from vllm_specplug.bench.stop_fit import replay_speedup  # noqa: E402
+from vllm_specplug.bench.stop_fit import default_training_sets, replay_speedup  # noqa: E402
 
 VARIANTS = {
     "table": ("table", {}),
@@ -61,6 +61,9 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="", help="stop model file (default: the shipped one)")
     ap.add_argument("--workloads", default="pipeline,agentic,spec_bench")
+    ap.add_argument("--half", default="odd", choices=("odd", "even"),
+                    help="even: the tuning halves the shipped model was fitted on (no "
+                         "oracle recorded there: no oracle fraction)")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--out", default="")
     ap.add_argument("--store-report", default="", metavar="FILE",
@@ -68,27 +71,34 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     oracle = json.loads((REPO / "results" / "curves" / "oracle_bound.json").read_text())
     lines = [C.cpu_cost_line(), C.gpu_like_cost_line()]
-    report = {"model": args.model or "shipped", "half": "odd", "workloads": {}}
+    report = {"model": args.model or "shipped", "half": args.half, "workloads": {}}
+    even = default_training_sets() if args.half == "even" else {}
     for w in args.workloads.split(","):
-        rows = C.load_records(RECORDS[w][0], None, half="odd")
+        rows = even[w] if even else C.load_records(RECORDS[w][0], None, half="odd")
         res = {}
         for ln in lines:
-            ob = oracle["workloads"][w][f"speedup@{ln.name}"]
-            o, s = ob["oracle"], ob["suffix"]
+            if even:
+                o = s = None
+            else:
+                ob = oracle["workloads"][w][f"speedup@{ln.name}"]
+                o, s = ob["oracle"], ob["suffix"]
             res[ln.name] = {"oracle": o, "suffix": s}
             for v in args.variants.split(","):
                 stop, opts = VARIANTS[v]
                 t = time.time()
                 r = replay_speedup(rows, ln, stop, args.model or None, **opts)
-                r["over_suffix"] = r["speedup"] / s
-                r["oracle_fraction"] = (r["speedup"] - s) / (o - s)
+                if s is not None:
+                    r["over_suffix"] = r["speedup"] / s
+                    r["oracle_fraction"] = (r["speedup"] - s) / (o - s)
                 r["seconds"] = round(time.time() - t, 1)
                 res[ln.name][v] = r
+                vs = (f" ({r['over_suffix']:.3f}x suffix, oracle {o / s:.3f}x; fraction "
+                      f"{r['oracle_fraction']:+.2f})" if s is not None else "")
                 print(f"{w:10s} {ln.name:8s} {v:16s} tau {r['tau']:.3f} nodes "
                       f"{r['nodes_per_step']:.2f} rejected {r['rejected_per_step']:.2f} "
-                      f"cut early {r['cut_early_per_step']:.2f} source {r['wrong_source_per_step']:.2f} "
-                      f"speedup {r['speedup']:.3f} ({r['over_suffix']:.3f}x suffix, "
-                      f"oracle {o / s:.3f}x; fraction {r['oracle_fraction']:+.2f})", flush=True)
+                      f"cut early {r['cut_early_per_step']:.2f} "
+                      f"source {r['wrong_source_per_step']:.2f} "
+                      f"speedup {r['speedup']:.3f}{vs}", flush=True)
         report["workloads"][w] = res
     if args.store_report:
         store_report(report, args.store_report)
