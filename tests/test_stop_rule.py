@@ -65,6 +65,23 @@ def test_features_match_their_definitions():
         np.testing.assert_allclose(X, want, rtol=1e-9, atol=1e-9)
 
 
+def test_fast_logits_equal_the_feature_matrix_times_the_coefficients():
+    """What propose runs (``logits``) is the model the fit sees (``features``)."""
+    rng = random.Random(4)
+    for _ in range(300):
+        w = np.array([rng.uniform(-2, 2) for _ in S.FEATURES])
+        n = rng.randint(1, 70)
+        table = sorted((rng.random() for _ in range(n)), reverse=True)
+        shares = None if rng.random() < 0.3 else list(np.cumprod([rng.random() for _ in range(n)]))
+        agree = None if rng.random() < 0.3 else np.array([float(rng.random() < 0.5)
+                                                          for _ in range(n)])
+        args = (n, rng.randint(0, 40), table, shares, rng.random(), rng.randint(0, 50),
+                rng.randint(0, 300), rng.random() < 0.5, rng.randint(0, 500),
+                float(rng.random() < 0.5), agree)
+        np.testing.assert_allclose(S.logits(w, *args), S.features(*args) @ w,
+                                   rtol=1e-9, atol=1e-9)
+
+
 def test_agreement_against_brute_force():
     rng = random.Random(2)
     for _ in range(300):

@@ -193,6 +193,50 @@ def features(depths: int, match_len: int, table_p: Sequence[float],
     return X
 
 
+#: log1p(depth) for depths 0..; grown on demand
+_DEPTH_LOG = np.log1p(np.arange(64, dtype=np.float64))
+
+
+def _cond_logit(cum: Sequence[float], depths: int) -> np.ndarray:
+    """logit of cum[i] / cum[i - 1] (cum[-1] = 1), both clipped as in ``features``."""
+    c = np.clip(np.asarray(cum[:depths], dtype=np.float64), _CLIP, 1.0)
+    step = np.empty(depths)
+    step[0] = c[0]
+    np.divide(c[1:], c[:-1], out=step[1:])
+    np.clip(step, _CLIP, 1.0 - _CLIP, out=step)
+    return np.log(step / (1.0 - step))
+
+
+def logits(w: np.ndarray, depths: int, match_len: int, table_p: Sequence[float],
+           shares: Sequence[float] | None, ewma: float, ewma_drafts: int,
+           since_reject: int, in_prompt: bool, generated: int, last_full: float,
+           agree: np.ndarray | None = None) -> np.ndarray:
+    """``features(...) @ w`` without building the matrix (what ``propose``
+    runs: the per-draft features enter as one constant)."""
+    global _DEPTH_LOG
+    if depths > _DEPTH_LOG.size:
+        _DEPTH_LOG = np.log1p(np.arange(2 * depths, dtype=np.float64))
+    dl = _DEPTH_LOG[:depths]
+    ml = math.log1p(match_len)
+    el = _logit(ewma)
+    tl = _cond_logit(table_p, depths)
+    c = (w[0] + w[3] * ml + w[8] * el + w[9] * math.log1p(ewma_drafts)
+         + w[10] * math.log1p(since_reject) + (w[11] if in_prompt else 0.0)
+         + w[12] * math.log1p(generated) + w[13] * last_full)
+    z = (w[1] + w[14] * ml + w[15] * el) * dl
+    z += (w[4] + w[16] * dl) * tl
+    z += c
+    z[0] += w[2]
+    if shares is not None and len(shares) >= depths:
+        z += w[5] * _cond_logit(shares, depths)
+        z += w[7] * np.log(np.clip(np.asarray(shares[:depths], dtype=np.float64), _CLIP, 1.0))
+        z += w[6]
+    if agree is not None:
+        z += w[17] * agree[:depths]
+        z += w[18]
+    return z
+
+
 def agreement(tokens: Sequence[int], others: Sequence[Sequence[int]]) -> np.ndarray | None:
     """Per position of ``tokens``: 1.0 where some other draft has the same
     tokens from the first through that position; None without others."""
@@ -265,9 +309,11 @@ class LearnedStop:
         r = self._req[req_id]
         s = SOURCES.index(source)
         ewma = (r.num[s] + 1.0) / (r.den[s] + 2.0)
-        X = self.last_features = features(depths, match_len, table_p, shares, ewma, r.drafts[s], r.since_reject,
-                     in_prompt, r.generated, r.last_full, agree)
-        z = X @ self.model.coef[source]
+        args = (depths, match_len, table_p, shares, ewma, r.drafts[s], r.since_reject,
+                in_prompt, r.generated, r.last_full, agree)
+        if self.record is not None:
+            self.last_features = features(*args)
+        z = logits(self.model.coef[source], *args)
         return 1.0 / (1.0 + np.exp(-z))
 
     def calibrated(self, source: str, q: np.ndarray) -> np.ndarray:
