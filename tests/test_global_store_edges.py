@@ -118,3 +118,16 @@ def test_edge_keys_are_exact_integers():
     assert {a.dtype for a in (seg.corpus, seg.st_len, seg.st_link, seg.st_first, seg.st_cnt,
                               seg.head, seg.e_tok, seg.e_tgt, seg.e_next,
                               seg.h_edges)} == {np.dtype(np.int32)}
+
+
+def test_the_longest_match_wins_over_a_newer_segment():
+    """``best`` compares match lengths: an older segment's longer match wins
+    over the newest segment's shorter one, however many documents that holds."""
+    store = GlobalStore(40, num_segments=2)   # segments of 20 tokens
+    store.add(list(range(1, 21)))             # segment 0, full: 1..20
+    for doc in ([5], [30], [31], [32], [33]):  # segment 1: five documents
+        store.add(doc)
+    assert [s.num_documents for s in store.segments] == [1, 5]
+    segment, _, length = store.match([3, 4, 5])
+    assert (segment, length) == (0, 3)
+    assert store.match([9, 5])[0::2] == (1, 1)    # a tie goes to the newest

@@ -215,10 +215,15 @@ def test_min_match_len_bounds_the_walk_to_shorter_matches():
     assert glob.propose("r", 8).tokens.tolist() == [2, 3]
 
 
-def test_a_tie_between_sources_goes_to_the_own_text():
-    prop = _with_documents([1, 2, 3, 60, 61, 62, 63, 64, 65, 66, 67], **NO_CUT)
-    prop.start("r", CTX)                                # both match [1, 2, 3], 8 tokens each
-    assert prop.propose("r", 8).tokens.tolist() == PERIOD
+@pytest.mark.parametrize("continuation,draft", [("frequent", PERIOD), ("first", CTX[3:])])
+def test_a_tie_between_sources_goes_to_the_own_text(continuation, draft):
+    # both match [1, 2, 3] and draft as many tokens: 8 ("frequent"), or 5
+    # ("first": the global draft ends with its document, below its
+    # full-budget value, so it is fetched and compared)
+    prop = _with_documents([1, 2, 3, 60, 61, 62, 63, 64], sam_continuation=continuation,
+                           **NO_CUT)
+    prop.start("r", CTX)
+    assert prop.propose("r", 8).tokens.tolist() == draft
     s = prop.debug_stats()
     assert (s["dynamic_drafts"], s["global_drafts"]) == (1, 0), s
 
