@@ -45,9 +45,38 @@ def test_constructor_defaults_are_the_options_defaults():
     benchmarks, the warm-up's twin) gets the constructor's defaults: they
     must be the documented ones."""
     params = inspect.signature(SamProposer.__init__).parameters
-    assert {o.name: o.default for o in SamProposer.options} == {
-        name: p.default for name, p in params.items()
-        if name not in ("self", "num_speculative_tokens")}
+    defaults = {o.name: o.default for o in SamProposer.options}
+    assert defaults == {name: p.default for name, p in params.items()
+                        if name not in ("self", "num_speculative_tokens")}
+
+    def built(p: SamProposer) -> tuple:
+        return (p.continuation, p.min_match_len, p.min_accept_prob, p.min_token_prob,
+                p.spec_factor, p.corpora, p.corpus_bias, p.stores.max_tokens,
+                p.stores.max_partitions, p.global_prompts, p._stop is None)
+
+    assert built(SamProposer(8)) == built(SamProposer(8, **defaults))
+
+
+def test_the_smallest_byte_cap_named_is_accepted():
+    from vllm_specplug.proposers.global_store import GlobalStore
+
+    need = GlobalStore(1024).max_nbytes()
+    translate({"method": "sam", "sam_global_bytes": need})
+    with pytest.raises(SpecPlugConfigError, match=f"at least {need}, got {need - 1}"):
+        translate({"method": "sam", "sam_global_bytes": need - 1})
+
+
+def test_stop_options_that_would_not_be_read_are_refused_with_their_reason():
+    with pytest.raises(SpecPlugConfigError, match=(
+            r"^speculative_config\['sam_min_accept_prob'\] is the table rule's threshold "
+            r"and is not read with sam_stop 'learned' \(which cuts by the measured verify "
+            r"cost\); remove one of them$")):
+        SamProposer.check_options(8, {"sam_stop": "learned", "sam_min_accept_prob": 0.5})
+    for options in ({"sam_stop_file": "f.json"}, {"sam_stop": "table", "sam_stop_file": "f"}):
+        with pytest.raises(SpecPlugConfigError, match=(
+                r"^speculative_config\['sam_stop_file'\] is read only with sam_stop "
+                r"'learned'; add \"sam_stop\": \"learned\" or remove sam_stop_file$")):
+            SamProposer.check_options(8, options)
 
 
 @pytest.mark.parametrize("tokens,ok", [(0, True), (1, False), (1023, False), (1024, True)])
@@ -114,6 +143,12 @@ def test_best_length_follows_the_cost_asked():
     assert t.best_length(3, 8, 1.0) == 0    # a token costs more than it brings
     assert t.best_length(3, 8, 0.0) == 8
     assert t.cut(3, 8, None) == 8           # no cost given: free
+
+
+def test_best_lengths_keep_the_shortest_of_equal_rates():
+    # one token whose estimate equals its cost: 1 token gives the rate of none
+    assert AcceptanceByMatchLength._best_lengths([0.5], 0.5) == [0, 0]
+    assert AcceptanceByMatchLength._best_lengths([0.5, 0.9], 0.25) == [0, 1, 2]
 
 
 def test_rows_and_best_lengths_are_computed_once_per_update(monkeypatch):
