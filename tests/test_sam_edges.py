@@ -466,3 +466,176 @@ def test_sizes_bytes_and_stats_report_every_structure(tmp_path):
     stats = prop.debug_stats()
     assert stats["global_store_bytes"] == prop.stores.resident_nbytes() > 0
     assert stats["global_store_tokens"] == 6 and stats["global_store_tenants"] == 1
+
+
+# ------------------------------------------- the learned stopping rule's wiring
+def _learned(monkeypatch, **options):
+    """A ``sam_stop`` "learned" proposer and the calibrated chances of each
+    draft it chose (recorded as ``LearnedStop.drafted`` receives them)."""
+    from vllm_specplug.proposers.stop_rule import LearnedStop
+
+    chosen = []
+    drafted = LearnedStop.drafted
+
+    def record(self, req_id, source, raw, q):
+        chosen.append((source, np.asarray(q).copy()))
+        drafted(self, req_id, source, raw, q)
+
+    monkeypatch.setattr(LearnedStop, "drafted", record)
+    return SamProposer(8, sam_stop="learned", **options), chosen
+
+
+def test_learned_drafts_carry_their_chances_and_are_counted(monkeypatch):
+    prop, chosen = _learned(monkeypatch, sam_global_tokens=0)
+    prop.relative_token_cost = 0.0                      # free tokens: nothing cut
+    prop.start("r", CTX)
+    d1 = prop.propose("r", 8)
+    assert d1.tokens.tolist() == PERIOD and chosen[-1][0] == "dynamic"
+    np.testing.assert_allclose(d1.scores, chosen[-1][1][:8])
+    assert not np.allclose(d1.scores, prop.acceptance.prob(3)[:8])   # not the table's
+    prop.observe("r", [4, 5, 9])
+    prop.observe("r", [1, 2, 3])                         # no draft in between
+    d2 = prop.propose("r", 8)
+    assert len(d2) > 0
+    s = prop.debug_stats()
+    assert (s["dynamic_drafts"], s["dynamic_tokens"]) == (2, 8 + len(d2)), s
+
+
+def test_learned_drafts_explore_one_token_past_the_cut(monkeypatch):
+    from vllm_specplug.proposers.stop_rule import best_cut
+
+    prop, chosen = _learned(monkeypatch, sam_global_tokens=0)
+    prop.start("r", CTX)
+    prop.relative_token_cost = 0.0
+    prop.propose("r", 8)
+    q = chosen[-1][1]
+    # a cost whose best cut keeps some tokens but not all, at a rate below 2
+    # (a draft worth less than 2 tokens a unit of cost is still drafted)
+    cost = next(c for c in np.linspace(0.05, 0.95, 19)
+                if 0 < best_cut(q, c)[0] < q.size - 1 and best_cut(q, c)[1] < 2.0)
+    prop.relative_token_cost = float(cost)
+    lengths = []
+    for _ in range(2 * sam_module.EXPLORE_EVERY):
+        lengths.append(len(prop.propose("r", 8)))
+        assert chosen[-1][1].tolist() == q.tolist()      # same context: same chances
+    m = best_cut(q, cost)[0]
+    assert sorted(set(lengths)) == [m, m + 1] and lengths.count(m + 1) == 2, (m, lengths)
+
+
+def test_learned_rule_reads_every_source_past_a_short_own_match(monkeypatch):
+    prop, chosen = _learned(monkeypatch, sam_min_match_len=2)
+    prop.relative_token_cost = 0.0
+    prop.stores.add((), list(range(1, 21)))
+    prop.start("r", [50, 51, 5, 6])                       # own match 0 (< 2); global 2
+    assert prop.propose("r", 8).tokens.tolist() == list(range(7, 15))
+    assert chosen[-1][0] == "global"
+
+
+def _scored(monkeypatch):
+    """What ``LearnedStop.conditional`` is asked, per source: (table_p, agree,
+    in_prompt)."""
+    from vllm_specplug.proposers.stop_rule import LearnedStop
+
+    asked = {}
+    conditional = LearnedStop.conditional
+
+    def record(self, req_id, source, match_len, table_p, shares, depths, in_prompt,
+               agree=None):
+        asked[source] = (list(table_p), None if agree is None else np.asarray(agree).tolist(),
+                         in_prompt)
+        return conditional(self, req_id, source, match_len, table_p, shares, depths,
+                           in_prompt, agree)
+
+    monkeypatch.setattr(LearnedStop, "conditional", record)
+    return asked
+
+
+def test_learned_rule_reads_each_sources_table_and_the_other_drafts(monkeypatch):
+    from vllm_specplug.proposers.stop_rule import agreement
+
+    asked = _scored(monkeypatch)
+    prop, chosen = _learned(monkeypatch)
+    prop.relative_token_cost = 0.0
+    prop.stores.add((), [1, 2, 3, 4, 5, 60, 61, 62])
+    for _ in range(50):                                   # the tables disagree
+        prop.global_acceptance.update(3, 8, 6)
+        prop.acceptance.update(3, 8, 1)
+    candidates = []
+    prop._stop.record = lambda req_id, source, tokens: candidates.append(
+        (req_id, source, list(tokens)))
+    prop.start("r", CTX)
+    prop.propose("r", 8)
+    drafts = {source: tokens for _, source, tokens in candidates}
+    assert {r for r, _, _ in candidates} == {"r"} and set(drafts) == {"dynamic", "global"}
+    assert drafts["global"] == [4, 5, 60, 61, 62]          # agrees with the own draft for 2
+    for source, table in (("dynamic", prop.acceptance), ("global", prop.global_acceptance)):
+        assert asked[source][0] == table.prob(3).tolist(), source
+        other = drafts["global" if source == "dynamic" else "dynamic"]
+        assert asked[source][1] == agreement(drafts[source], [other]).tolist(), source
+    assert asked["dynamic"][1][:3] == [1.0, 1.0, 0.0]
+
+
+def test_learned_rule_keeps_the_better_source(monkeypatch):
+    prop, chosen = _learned(monkeypatch)
+    prop.relative_token_cost = 0.0
+    prop.stores.add((), [1, 2, 3, 60])                   # global: one token
+    prop.start("r", CTX)                                  # own: eight
+    assert prop.propose("r", 8).tokens.tolist() == PERIOD
+    assert [s for s, _ in chosen] == ["dynamic"]
+
+
+def test_learned_rule_with_first_occurrence_drafts(monkeypatch):
+    prop, chosen = _learned(monkeypatch, sam_global_tokens=0, sam_continuation="first")
+    prop.relative_token_cost = 0.0
+    prop.start("r", CTX)
+    assert prop.propose("r", 8).tokens.tolist() == CTX[3:]
+
+
+def test_learned_rule_scores_a_source_without_coefficients_by_its_table(tmp_path,
+                                                                        monkeypatch):
+    """The static corpus has no coefficients: its chances through each
+    position are its table's estimates made non-increasing (a fresh
+    calibration leaves them as they are)."""
+    path = _corpus(tmp_path, [list(range(10, 40))])
+    prop, chosen = _learned(monkeypatch, sam_global_tokens=0, sam_corpus=path)
+    prop.relative_token_cost = 0.0
+    for drafted, accepted in ((8, 2), (8, 8), (6, 5), (8, 0), (8, 4)):
+        prop.static_acceptance.update(3, drafted, accepted)
+    row = prop.static_acceptance.prob(3)[:8]
+    assert np.any(np.diff(row) > 0)                       # not already non-increasing
+    prop.start("r", [77, 12, 13, 14])                     # own match 0, static 3
+    d = prop.propose("r", 8)
+    assert d.tokens.tolist() == list(range(15, 23)) and chosen[-1][0] == "static"
+    np.testing.assert_allclose(chosen[-1][1], np.minimum.accumulate(row), rtol=1e-12)
+
+
+def test_learned_rule_leaves_the_corpus_bias_rule_alone(tmp_path, monkeypatch):
+    path = _corpus(tmp_path, [list(range(10, 40))])
+    prop, chosen = _learned(monkeypatch, sam_global_tokens=0, sam_corpus=path,
+                            sam_corpus_bias=0)
+    prop.relative_token_cost = 0.0
+    prop.start("r", [12, 13, 14, 77, 11, 12, 13])          # own 2, static 3: the bias rule
+    assert prop.propose("r", 4).tokens.tolist() == [14, 15, 16, 17]
+    assert chosen == []
+
+
+def test_a_learned_draft_cut_to_nothing_teaches_nothing(monkeypatch):
+    prop, chosen = _learned(monkeypatch, sam_global_tokens=0)
+    prop.relative_token_cost = 0.0
+    prop.start("r", CTX)
+    prop.propose("r", 8)
+    prop.draft_cut("r", Draft.empty())                    # the batch budget dropped it
+    prop.observe("r", [9])
+    assert prop._stop.calib_est.sum() == 0 and sum(prop._stop._req["r"].drafts) == 0
+
+
+def test_a_match_first_seen_in_the_first_output_token_is_not_a_prompt_copy(monkeypatch):
+    asked = _scored(monkeypatch)
+    prop, _ = _learned(monkeypatch, sam_global_tokens=0)
+    prop.relative_token_cost = 0.0
+    start = [11, 12, 13, 14, 15, 16, 17, 18]              # 7 prompt tokens, then the first output
+    for req_id, committed, in_prompt in (("a", 18, False), ("b", 17, True)):
+        prop.start(req_id, start)
+        prop.observe(req_id, [committed])                  # matches its earlier occurrence
+        prop.propose(req_id, 8)
+        assert asked["dynamic"][2] is in_prompt, req_id
