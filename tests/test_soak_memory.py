@@ -23,3 +23,37 @@ def test_a_touched_large_mapping_is_counted_as_large_and_untouched_is_not():
 
 def test_an_unreadable_process_gives_none():
     assert memory_kinds(2 ** 22 + 12345) is None
+
+
+def test_malloc_trim_gives_back_what_glibc_held_free():
+    """A process that freed 400 MB below a live block keeps it resident
+    until malloc_trim; the soak's --trim measures exactly that."""
+    import shutil
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+    import pytest
+
+    from vllm_specplug.bench.soak import malloc_trim
+
+    if shutil.which("gdb") is None:
+        pytest.skip("gdb is not installed")
+    code = ("import sys, time\n"
+            "x = [bytearray(4000) for _ in range(100_000)]\n"
+            "keep = bytearray(4000)\n"       # above them on the heap: no automatic trim
+            "del x\n"
+            "print('ready', flush=True)\n"
+            "time.sleep(60)\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        time.sleep(0.2)
+        before = psutil.Process(p.pid).memory_info().rss
+        assert before > 300 << 20, before
+        assert malloc_trim(p.pid).startswith("$1 = 1")
+        after = psutil.Process(p.pid).memory_info().rss
+        assert after < before - (300 << 20), (before, after)
+    finally:
+        p.kill()

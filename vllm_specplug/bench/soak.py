@@ -185,8 +185,25 @@ def _wait_idle(stats_file: Path, timeout: float = 30.0) -> dict | None:
     return stats
 
 
+def malloc_trim(pid: int) -> str:
+    """Ask glibc in process ``pid`` to give its free heap memory back to the
+    system (``malloc_trim(0)``, called through gdb); returns gdb's answer.
+    What the process's RSS loses is memory glibc held free, not live data."""
+    import shutil
+    import subprocess
+
+    if shutil.which("gdb") is None:
+        raise SystemExit("--trim needs gdb (apt-get install gdb)")
+    out = subprocess.run(["gdb", "-p", str(pid), "-batch", "-ex",
+                          "call (int)malloc_trim(0)"], capture_output=True, text=True,
+                         timeout=120)
+    return next((ln for ln in out.stdout.splitlines() if ln.startswith("$")),
+                out.stderr.strip()[-200:])
+
+
 def run_served(model: str, method: str, reqs: list[dict], sample_every: int,
-               out_dir: Path, max_model_len: int = 2048, spec: dict | None = None) -> dict:
+               out_dir: Path, max_model_len: int = 2048, spec: dict | None = None,
+               trim: bool = False) -> dict:
     """The soak of one method through a server (``spec``: its speculative
     config, default the method's own)."""
     from .server import running_server
@@ -217,7 +234,17 @@ def run_served(model: str, method: str, reqs: list[dict], sample_every: int,
             engine_pid = stats["pid"] if stats else None
             samples.append(_sample(done, t0, total, by_pid, engine_pid, stats, counts))
             _progress(method, samples[-1])
+        after_trim = None
+        if trim:    # after the last sample: how much of the RSS is glibc's free memory
+            answers = {str(pid): malloc_trim(pid) for pid in by_pid}
+            total, by_pid = tree_rss(server.pid)
+            after_trim = dict(_sample(samples[-1]["requests"], t0, total, by_pid, engine_pid,
+                                      None, counts), malloc_trim=answers)
+            print(f"soak {method}: after malloc_trim(0) in every server process, tree RSS "
+                  f"{after_trim['tree_rss_mb']:.1f} MB (was {samples[-1]['tree_rss_mb']:.1f})",
+                  flush=True)
     return {"method": method, "mode": "served", "speculative_config": spec,
+            "after_trim": after_trim,
             "ld_preload": os.environ.get("LD_PRELOAD"),
             "server_start_s": round(started, 1), "counts": counts, "samples": samples}
 
@@ -382,6 +409,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an in-process engine instead of a server (no aborts)")
     p.add_argument("--tracemalloc", action="store_true",
                    help="with --offline: trace Python allocations from --baseline on")
+    p.add_argument("--trim", action="store_true",
+                   help="served: after the last sample, call glibc's malloc_trim(0) in every "
+                        "server process (through gdb) and sample again: the RSS that goes is "
+                        "free memory glibc kept, not live data")
     p.add_argument("--combine", nargs="*", default=None, metavar="SOAK_JSON",
                    help="no run: the pass table and plot of earlier soak.json files")
     return p
@@ -416,7 +447,7 @@ def main(argv: list[str]) -> int:
                 res = run_offline(model, method, reqs, args.sample_every, args.baseline,
                                   args.tracemalloc)
             else:
-                res = run_served(model, method, reqs, args.sample_every, d)
+                res = run_served(model, method, reqs, args.sample_every, d, trim=args.trim)
             res.update({"requests": args.requests, "seed": args.seed, "burst": BURST,
                         "abort_share": ABORT_SHARE, "command": "specplug bench soak " +
                         " ".join(argv)})
