@@ -268,7 +268,7 @@ def tokens_for_bytes(max_bytes: int, num_segments: int = DEFAULT_SEGMENTS) -> in
     """The largest ``max_tokens`` whose store reserves at most ``max_bytes``
     (``GlobalStore.max_nbytes``, which grows with ``max_tokens``); 0 when not
     even the smallest store fits."""
-    lo, hi = 0, 1 << 31
+    lo, hi = 0, max(int(max_bytes), 0)   # a store takes more than a byte a token
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if mid >= num_segments and GlobalStore(mid, num_segments).max_nbytes() <= max_bytes:
