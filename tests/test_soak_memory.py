@@ -57,3 +57,12 @@ def test_malloc_trim_gives_back_what_glibc_held_free():
         assert after < before - (300 << 20), (before, after)
     finally:
         p.kill()
+
+
+def test_trim_modes():
+    from vllm_specplug.bench.soak import build_parser
+
+    p = build_parser()
+    assert p.parse_args([]).trim is None
+    assert p.parse_args(["--trim"]).trim == "end"
+    assert p.parse_args(["--trim", "each"]).trim == "each"

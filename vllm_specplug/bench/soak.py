@@ -39,6 +39,7 @@ import datetime
 import json
 import os
 import random
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -203,7 +204,7 @@ def malloc_trim(pid: int) -> str:
 
 def run_served(model: str, method: str, reqs: list[dict], sample_every: int,
                out_dir: Path, max_model_len: int = 2048, spec: dict | None = None,
-               trim: bool = False) -> dict:
+               trim: str | None = None) -> dict:
     """The soak of one method through a server (``spec``: its speculative
     config, default the method's own)."""
     from .server import running_server
@@ -230,12 +231,15 @@ def run_served(model: str, method: str, reqs: list[dict], sample_every: int,
         for done in range(sample_every, len(reqs) + 1, sample_every):
             asyncio.run(_bursts(base, reqs[done - sample_every:done], counts))
             stats = _wait_idle(stats_file) if spec is not None else None
+            if trim == "each":     # RSS without what glibc holds free: live memory
+                for pid in tree_rss(server.pid)[1]:
+                    malloc_trim(pid)
             total, by_pid = tree_rss(server.pid)
             engine_pid = stats["pid"] if stats else None
             samples.append(_sample(done, t0, total, by_pid, engine_pid, stats, counts))
             _progress(method, samples[-1])
         after_trim = None
-        if trim:    # after the last sample: how much of the RSS is glibc's free memory
+        if trim == "end":    # after the last sample: how much of the RSS is glibc's free memory
             answers = {str(pid): malloc_trim(pid) for pid in by_pid}
             total, by_pid = tree_rss(server.pid)
             after_trim = dict(_sample(samples[-1]["requests"], t0, total, by_pid, engine_pid,
@@ -244,7 +248,7 @@ def run_served(model: str, method: str, reqs: list[dict], sample_every: int,
                   f"{after_trim['tree_rss_mb']:.1f} MB (was {samples[-1]['tree_rss_mb']:.1f})",
                   flush=True)
     return {"method": method, "mode": "served", "speculative_config": spec,
-            "after_trim": after_trim,
+            "after_trim": after_trim, "trim": trim,
             "ld_preload": os.environ.get("LD_PRELOAD"),
             "server_start_s": round(started, 1), "counts": counts, "samples": samples}
 
@@ -409,10 +413,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an in-process engine instead of a server (no aborts)")
     p.add_argument("--tracemalloc", action="store_true",
                    help="with --offline: trace Python allocations from --baseline on")
-    p.add_argument("--trim", action="store_true",
-                   help="served: after the last sample, call glibc's malloc_trim(0) in every "
-                        "server process (through gdb) and sample again: the RSS that goes is "
-                        "free memory glibc kept, not live data")
+    p.add_argument("--trim", nargs="?", const="end", choices=("end", "each"), default=None,
+                   help="served, needs gdb: call glibc's malloc_trim(0) in every server "
+                        "process; 'end' (the default with --trim): after the last sample, then "
+                        "sample again (the RSS that goes is free memory glibc kept, not live "
+                        "data); 'each': before every sample, so the samples and the pass rule "
+                        "see live memory only")
     p.add_argument("--combine", nargs="*", default=None, metavar="SOAK_JSON",
                    help="no run: the pass table and plot of earlier soak.json files")
     return p
@@ -425,6 +431,8 @@ def main(argv: list[str]) -> int:
     if args.combine is not None:
         results = load_results([Path(p) for p in args.combine])
     else:
+        if args.trim and (args.offline or shutil.which("gdb") is None):
+            raise SystemExit("--trim: served runs only, and it needs gdb (apt-get install gdb)")
         if args.tracemalloc and not args.offline:
             raise SystemExit("--tracemalloc needs --offline (the engine in this process)")
         if args.requests < args.sample_every:
