@@ -107,3 +107,9 @@ def test_the_preset_fixes_the_run(tmp_path, monkeypatch):
     cli._apply_readme_preset(args)
     assert args.methods.endswith(",eagle2,sam_eagle2")
 
+
+
+def test_the_readme_has_the_block_the_preset_rewrites():
+    text = (ROOT / "README.md").read_text()
+    assert text.count(report.README_BEGIN) == 1 and text.count(report.README_END) == 1
+    assert text.index(report.README_BEGIN) < text.index(report.README_END)
