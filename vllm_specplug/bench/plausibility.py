@@ -10,8 +10,12 @@ was busy), or the method ran while plain's run was slowed. Such numbers are
 flagged, not presented as results.
 
 Busy machine: the worker records the 1-minute load average after each request;
-a method whose mean exceeds the number of cores shared them with other work
-(its own engine runs one busy thread).
+a method whose mean exceeds the number of cores by more than ``LOAD_SLACK``
+shared them with other work. vLLM's CPU engine alone keeps every core busy
+(its OpenMP threads plus the engine core): on the 2-core machine, runs with
+nothing else on it measured means of 1.64-2.01 per method
+(``results/runs/readme_2026-12-04_run2_flagged/``); a second engine adds
+about 1.
 
 Time to first token: a method whose first or median TTFT is far above
 plain's did start-up work inside its requests (``TTFT_FACTOR``).
@@ -28,6 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 OVERALL_TOLERANCE = 0.05
+# a mean 1-minute load average above cores + this means other work shared them
+LOAD_SLACK = 0.5
 PROMPT_TOLERANCE = 0.10
 # Time to first token: speculation does not change prefill (the first token
 # comes from the prompt's forward pass), so a method's TTFT should be
@@ -99,11 +105,11 @@ def check(res: dict) -> list[Flag]:
     cores = (res.get("environment") or {}).get("cores")
     for m in methods:
         loads = [r["load_average"] for r in methods[m]["per_prompt"] if "load_average" in r]
-        if cores and loads and sum(loads) / len(loads) > cores:
+        if cores and loads and sum(loads) / len(loads) > cores + LOAD_SLACK:
             flags.append(Flag(m, f"{m}: the machine was busy during its run (1-minute load "
                                  f"average {sum(loads) / len(loads):.1f} on {cores} cores; this "
-                                 f"benchmark's own engine accounts for about 1): its tokens/s "
-                                 f"and every speedup against it are suspect"))
+                                 f"benchmark's own engine keeps them busy, another adds about "
+                                 f"1): its tokens/s and every speedup against it are suspect"))
     if len(spec) >= 2:
         slow = [key for key, ms in over_by_prompt.items() if 2 * len(ms) > len(spec)]
         if slow:
