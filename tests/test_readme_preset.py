@@ -113,3 +113,11 @@ def test_the_readme_has_the_block_the_preset_rewrites():
     text = (ROOT / "README.md").read_text()
     assert text.count(report.README_BEGIN) == 1 and text.count(report.README_END) == 1
     assert text.index(report.README_BEGIN) < text.index(report.README_END)
+
+
+def test_the_readme_table_block_and_its_command_are_in_the_readme():
+    text = (ROOT / "README.md").read_text()
+    assert text.count(report.README_BEGIN) == 1 and text.count(report.README_END) == 1
+    block = text.split(report.README_BEGIN)[1].split(report.README_END)[0]
+    assert "specplug bench --preset readme" in block
+    assert "commit `" in block

@@ -23,7 +23,7 @@ QUICK = {"categories": ["summarization", "extraction", "qa"], "per_category": 1,
 # `specplug bench --preset readme`: the README's methods table from one run.
 # Spec-Bench's odd half (the half not used for tuning), one prompt per
 # category (13), 128 greedy tokens, batch size 1, one engine per method; the
-# EAGLE methods join when --eagle-head names a head. About half an hour on
+# EAGLE methods join when --eagle-head names a head. About 12 minutes on
 # 2 cores. The table in README.md is rewritten only if no measurement is
 # flagged as implausible.
 README_PRESET = {"methods": "plain,ngram,suffix,sam,token_recycling,sam_tr,del",

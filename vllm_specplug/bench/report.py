@@ -298,7 +298,7 @@ def readme_table(res: dict, command: str, results_dir: str,
               f"{s['max_tokens']} tokens each, temperature {s['temperature']}, batch size 1, "
               f"one engine per method; {env['cpu']} ({env['cores']} cores), vLLM "
               f"{env['vllm']}, torch {env['torch']}. Raw results: "
-              f"[{results_dir}]({results_dir}). Rerun (about half an hour on 2 cores; the "
+              f"[{results_dir}]({results_dir}). Rerun (about 12 minutes on 2 cores; the "
               f"table is rewritten only when no measurement is flagged as implausible):",
               "", "```bash", command, "```"]
     return "\n".join(lines)
