@@ -139,11 +139,10 @@ def _apply_readme_preset(args: argparse.Namespace) -> None:
                          f"or name the README)")
     from .bench import report
 
-    text = Path(args.readme).read_text()
-    if text.count(report.README_BEGIN) != 1 or text.count(report.README_END) != 1:
-        raise SystemExit(f"--readme {args.readme}: no methods-table block to rewrite "
-                         f"(expected the lines '{report.README_BEGIN}' and "
-                         f"'{report.README_END}')")
+    try:
+        report.check_readme(Path(args.readme).read_text(), Path(args.readme))
+    except ValueError as e:
+        raise SystemExit(f"--readme: no methods-table block to rewrite ({e})")
 
 
 def _write_readme_table(args: argparse.Namespace, res: dict) -> None:

@@ -14,7 +14,7 @@ a method whose mean exceeds the number of cores by more than ``LOAD_SLACK``
 shared them with other work. vLLM's CPU engine alone keeps every core busy
 (its OpenMP threads plus the engine core): on the 2-core machine, runs with
 nothing else on it measured means of 1.64-2.01 per method
-(``results/runs/readme_2026-12-04_run2_flagged/``); a second engine adds
+(``results/runs/readme_2026-12-04/``); a second engine adds
 about 1.
 
 Time to first token: a method whose first or median TTFT is far above

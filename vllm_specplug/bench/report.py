@@ -304,11 +304,16 @@ def readme_table(res: dict, command: str, results_dir: str,
     return "\n".join(lines)
 
 
+def check_readme(text: str, path: Path) -> None:
+    """Raise ValueError unless ``text`` holds exactly one methods-table block."""
+    if text.count(README_BEGIN) != 1 or text.count(README_END) != 1:
+        raise ValueError(f"{path}: expected one '{README_BEGIN}' ... '{README_END}' block")
+
+
 def update_readme(path: Path, table: str) -> None:
     """Replace the block between README_BEGIN and README_END in ``path``."""
     text = path.read_text()
-    if text.count(README_BEGIN) != 1 or text.count(README_END) != 1:
-        raise ValueError(f"{path}: expected one '{README_BEGIN}' ... '{README_END}' block")
+    check_readme(text, path)
     head, rest = text.split(README_BEGIN)
     _, tail = rest.split(README_END)
     path.write_text(f"{head}{README_BEGIN}\n{table}\n{README_END}{tail}")

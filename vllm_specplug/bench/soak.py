@@ -190,7 +190,6 @@ def malloc_trim(pid: int) -> str:
     """Ask glibc in process ``pid`` to give its free heap memory back to the
     system (``malloc_trim(0)``, called through gdb); returns gdb's answer.
     What the process's RSS loses is memory glibc held free, not live data."""
-    import shutil
     import subprocess
 
     if shutil.which("gdb") is None:
