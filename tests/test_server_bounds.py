@@ -46,8 +46,8 @@ def test_structures_stay_within_their_bounds(model_path, tmp_path):
     # per request: freed once no request runs (finished, aborted or preempted)
     for key in ("drafter_requests", "drafter_trees", "calibration_pending", "sam_requests",
                 "sam_pending", "sam_choices", "sam_corpus_matches", "sam_global_matches",
-                "sam_tenants", "tr_requests", "tr_private_matrices", "hybrid_branches",
-                "hybrid_chains"):
+                "sam_tenants", "sam_stop_requests", "tr_requests", "tr_private_matrices",
+                "hybrid_branches", "hybrid_chains"):
         assert sizes.pop(key) == 0, (key, last["sizes"])
     assert sizes.pop("pending_topk") <= 16            # the last step's batch
     assert sizes.pop("sam_completed") <= 16           # finished in the last step

@@ -2,6 +2,7 @@
 resident memory is, read from /proc/PID/smaps."""
 from __future__ import annotations
 
+import mmap
 import os
 
 import numpy as np
@@ -10,8 +11,11 @@ from vllm_specplug.bench.soak import memory_kinds
 
 
 def test_a_touched_large_mapping_is_counted_as_large_and_untouched_is_not():
+    # an anonymous mapping of its own: malloc in a long test process may
+    # instead hand back resident memory it already holds (the CI tier did)
     before = memory_kinds(os.getpid(), large=48 << 20)
-    a = np.empty(64 << 20, dtype=np.uint8)          # mmapped, not yet resident
+    m = mmap.mmap(-1, 64 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # not resident yet
+    a = np.frombuffer(m, dtype=np.uint8)
     untouched = memory_kinds(os.getpid(), large=48 << 20)
     a[::4096] = 1                                   # touch every page
     touched = memory_kinds(os.getpid(), large=48 << 20)
@@ -19,6 +23,7 @@ def test_a_touched_large_mapping_is_counted_as_large_and_untouched_is_not():
     assert 60 <= touched["large"] - before["large"] <= 72, (before, touched)
     assert touched["file"] > 0 and touched["heap"] > 0
     del a
+    m.close()
 
 
 def test_an_unreadable_process_gives_none():
@@ -66,3 +71,36 @@ def test_trim_modes():
     assert p.parse_args([]).trim is None
     assert p.parse_args(["--trim"]).trim == "end"
     assert p.parse_args(["--trim", "each"]).trim == "each"
+
+
+def _res(method, rss, store=None):
+    """A soak result with a sample every 100 requests."""
+    return {"method": method, "samples": [
+        {"requests": 100 * (i + 1), "tree_rss_mb": r,
+         "drafter": None if store is None else {"sam": {"global_store_bytes": store[i]}}}
+        for i, r in enumerate(rss)]}
+
+
+def test_check_judges_growth_from_the_baseline_against_plain_plus_store_plus_slack():
+    from vllm_specplug.bench.soak import MB, SLACK_MB, check
+
+    plain = _res("plain", [100, 200, 210, 220])
+    ok = _res("sam", [500, 600, 610, 620 + SLACK_MB], store=[0, 0, 0, 0])
+    store = _res("sam_tr", [500, 600, 610, 625 + SLACK_MB], store=[0, 0, 0, 5 * MB])
+    leak = _res("token_recycling", [500, 600, 610, 621 + SLACK_MB])
+    t = check({r["method"]: r for r in (plain, ok, store, leak)}, baseline=200)
+    assert (t["plain"]["rss_mb"], t["plain"]["pass"]) == (20, None)
+    assert t["sam"]["pass"] is True and t["sam"]["allowance_mb"] == 20 + SLACK_MB
+    assert t["sam_tr"]["pass"] is True and t["sam_tr"]["store_mb"] == 5
+    assert t["token_recycling"]["pass"] is False
+    assert (t["sam"]["from"], t["sam"]["to"]) == (200, 400)
+
+
+def test_a_run_cut_short_shortens_every_methods_window():
+    from vllm_specplug.bench.soak import check
+
+    plain = _res("plain", [100, 200, 210, 220, 400, 900])    # grows late
+    short = _res("sam", [500, 600, 610, 640])               # stopped at 400
+    t = check({"plain": plain, "sam": short}, baseline=200)
+    assert (t["plain"]["to"], t["sam"]["to"]) == (400, 400)
+    assert t["plain"]["rss_mb"] == 20 and t["sam"]["pass"] is False

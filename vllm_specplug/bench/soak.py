@@ -203,9 +203,11 @@ def malloc_trim(pid: int) -> str:
 
 def run_served(model: str, method: str, reqs: list[dict], sample_every: int,
                out_dir: Path, max_model_len: int = 2048, spec: dict | None = None,
-               trim: str | None = None) -> dict:
+               trim: str | None = None, on_sample=None) -> dict:
     """The soak of one method through a server (``spec``: its speculative
-    config, default the method's own)."""
+    config, default the method's own). ``on_sample(samples, counts)`` runs
+    after every sample (main writes the partial result, so a run cut short
+    keeps what it measured)."""
     from .server import running_server
 
     spec = spec if spec is not None else speculative_config(method)
@@ -237,6 +239,8 @@ def run_served(model: str, method: str, reqs: list[dict], sample_every: int,
             engine_pid = stats["pid"] if stats else None
             samples.append(_sample(done, t0, total, by_pid, engine_pid, stats, counts))
             _progress(method, samples[-1])
+            if on_sample is not None:
+                on_sample(samples, counts)
         after_trim = None
         if trim == "end":    # after the last sample: how much of the RSS is glibc's free memory
             answers = {str(pid): malloc_trim(pid) for pid in by_pid}
@@ -333,10 +337,13 @@ def top_growth(snap0, snap1, top: int) -> dict:
 
 
 # ------------------------------------------------------------------ pass rule
-def growth(result: dict, baseline: int) -> dict:
+def growth(result: dict, baseline: int, until: int | None = None) -> dict:
     """Tree RSS and store byte growth from the sample at ``baseline``
-    requests (the first at or past it) to the last."""
-    samples = result["samples"]
+    requests (the first at or past it) to the last (the last at or below
+    ``until`` when given)."""
+    samples = [s for s in result["samples"] if until is None or s["requests"] <= until]
+    if not samples:
+        return {"from": None, "to": None, "rss_mb": None, "store_mb": None}
     base = next((s for s in samples if s["requests"] >= baseline), None)
     last = samples[-1]
     if base is None or base is last:
@@ -350,11 +357,14 @@ def growth(result: dict, baseline: int) -> dict:
 
 def check(results: dict[str, dict], baseline: int, slack_mb: float = SLACK_MB) -> dict:
     """Per method: its growth, the allowance (plain's growth + its store's
-    byte growth + ``slack_mb``) and whether it passes."""
-    plain = growth(results["plain"], baseline) if "plain" in results else None
+    byte growth + ``slack_mb``) and whether it passes. Every method is
+    judged over the same requests: up to the last sample all of them reached
+    (a run cut short, ``complete: false``, shortens the window for all)."""
+    until = min(res["samples"][-1]["requests"] for res in results.values() if res["samples"])
+    plain = growth(results["plain"], baseline, until) if "plain" in results else None
     table = {}
     for method, res in results.items():
-        g = growth(res, baseline)
+        g = growth(res, baseline, until)
         row = {**g, "allowance_mb": None, "pass": None}
         if method != "plain" and plain and plain["rss_mb"] is not None \
                 and g["rss_mb"] is not None:
@@ -447,6 +457,8 @@ def main(argv: list[str]) -> int:
             speculative_config(m)  # unknown names fail before any server starts
         reqs = soak_requests(args.requests, args.seed)
         results = {}
+        info = {"requests": args.requests, "seed": args.seed, "burst": BURST,
+                "abort_share": ABORT_SHARE, "command": "specplug bench soak " + " ".join(argv)}
         for method in methods:
             d = out / f"{tag}_{method}{'_offline' if args.offline else ''}"
             d.mkdir(parents=True, exist_ok=True)
@@ -454,10 +466,14 @@ def main(argv: list[str]) -> int:
                 res = run_offline(model, method, reqs, args.sample_every, args.baseline,
                                   args.tracemalloc)
             else:
-                res = run_served(model, method, reqs, args.sample_every, d, trim=args.trim)
-            res.update({"requests": args.requests, "seed": args.seed, "burst": BURST,
-                        "abort_share": ABORT_SHARE, "command": "specplug bench soak " +
-                        " ".join(argv)})
+                def partial(samples, counts, d=d, method=method):
+                    (d / "soak.json").write_text(json.dumps(dict(
+                        info, method=method, mode="served", trim=args.trim, counts=counts,
+                        samples=samples, complete=False), indent=1))
+
+                res = run_served(model, method, reqs, args.sample_every, d, trim=args.trim,
+                                 on_sample=partial)
+            res.update(info, complete=True)
             (d / "soak.json").write_text(json.dumps(res, indent=1))
             results[method] = res
     table = check(results, args.baseline)
