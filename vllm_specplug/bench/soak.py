@@ -194,9 +194,12 @@ def malloc_trim(pid: int) -> str:
 
     if shutil.which("gdb") is None:
         raise SystemExit("--trim needs gdb (apt-get install gdb)")
-    out = subprocess.run(["gdb", "-p", str(pid), "-batch", "-ex",
-                          "call (int)malloc_trim(0)"], capture_output=True, text=True,
-                         timeout=120)
+    # only libc's symbols: loading every library's (torch's) takes seconds
+    out = subprocess.run(["gdb", "-nx", "-p", str(pid), "-batch",
+                          "-iex", "set debuginfod enabled off",
+                          "-iex", "set auto-solib-add off",
+                          "-ex", r"sharedlibrary libc\.", "-ex", "call (int)malloc_trim(0)"],
+                         capture_output=True, text=True, timeout=120)
     return next((ln for ln in out.stdout.splitlines() if ln.startswith("$")),
                 out.stderr.strip()[-200:])
 
