@@ -533,18 +533,18 @@ def test_learned_rule_reads_every_source_past_a_short_own_match(monkeypatch):
 
 def _scored(monkeypatch):
     """What ``LearnedStop.conditional`` is asked, per source: (table_p, agree,
-    in_prompt)."""
+    in_prompt, support)."""
     from vllm_specplug.proposers.stop_rule import LearnedStop
 
     asked = {}
     conditional = LearnedStop.conditional
 
     def record(self, req_id, source, match_len, table_p, shares, depths, in_prompt,
-               agree=None):
+               agree=None, support=None):
         asked[source] = (list(table_p), None if agree is None else np.asarray(agree).tolist(),
-                         in_prompt)
+                         in_prompt, None if support is None else list(support))
         return conditional(self, req_id, source, match_len, table_p, shares, depths,
-                           in_prompt, agree)
+                           in_prompt, agree, support)
 
     monkeypatch.setattr(LearnedStop, "conditional", record)
     return asked
@@ -573,6 +573,26 @@ def test_learned_rule_reads_each_sources_table_and_the_other_drafts(monkeypatch)
         other = drafts["global" if source == "dynamic" else "dynamic"]
         assert asked[source][1] == agreement(drafts[source], [other]).tolist(), source
     assert asked["dynamic"][1][:3] == [1.0, 1.0, 0.0]
+    # the global draft's support in the request's own text, by brute force
+    # (the dynamic draft is a copy of that text: no support computed)
+    assert asked["dynamic"][3] is None
+    assert asked["global"][3] == _brute_support(CTX, drafts["global"])
+    assert 0 in asked["global"][3]                          # 60.. never occur in CTX
+
+
+def _brute_support(text, draft):
+    """Per draft token: the longest suffix of text + draft through it that
+    occurs in text."""
+    out = []
+    for i in range(len(draft)):
+        seq, best = list(text) + list(draft[:i + 1]), 0
+        for n in range(1, len(seq) + 1):
+            if any(list(text[j:j + n]) == seq[-n:] for j in range(len(text) - n + 1)):
+                best = n
+            else:
+                break
+        out.append(best)
+    return out
 
 
 def test_learned_rule_keeps_the_better_source(monkeypatch):

@@ -24,7 +24,7 @@ def _logit(p):
 
 # ------------------------------------------------------------------ features
 def _brute_row(i, match_len, table_p, shares, ewma, drafts, since, in_prompt, gen, full,
-               agree):
+               agree, support=None):
     """One position's features, computed one by one from their definitions."""
     prev_t = 1.0 if i == 0 else max(table_p[i - 1], 1e-3)
     cond = min(max(max(table_p[i], 1e-3) / prev_t, 1e-3), 1 - 1e-3)
@@ -46,7 +46,18 @@ def _brute_row(i, match_len, table_p, shares, ewma, drafts, since, in_prompt, ge
     row["depth_x_table"] = row["depth_log"] * row["table_logit"]
     row["agree"] = 0.0 if agree is None else float(agree[i])
     row["other_known"] = float(agree is not None)
+    sup = 0 if support is None else support[i]
+    row.update(ctx_uni=float(sup >= 1), ctx_bi=float(sup >= 2),
+               ctx_log=math.log(1 + min(sup, S.SUPPORT_CAP)))
     return [row[name] for name in S.FEATURES]
+
+
+def _support(rng, n):
+    """A random support list (None a third of the time): the lengths that
+    SuffixAutomaton.support gives, including past SUPPORT_CAP."""
+    if rng.random() < 0.3:
+        return None
+    return [rng.choice((0, 1, 2, 3, rng.randint(4, 100))) for _ in range(n)]
 
 
 def test_features_match_their_definitions():
@@ -59,7 +70,8 @@ def test_features_match_their_definitions():
                 rng.randint(0, 300), rng.random() < 0.5, rng.randint(0, 500),
                 float(rng.random() < 0.5),
                 None if rng.random() < 0.3 else np.array([float(rng.random() < 0.5)
-                                                          for _ in range(n)]))
+                                                          for _ in range(n)]),
+                _support(rng, n))
         X = S.features(n, *args)
         want = np.array([_brute_row(i, *args) for i in range(n)])
         np.testing.assert_allclose(X, want, rtol=1e-9, atol=1e-9)
@@ -77,7 +89,7 @@ def test_fast_logits_equal_the_feature_matrix_times_the_coefficients():
                                                           for _ in range(n)])
         args = (n, rng.randint(0, 40), table, shares, rng.random(), rng.randint(0, 50),
                 rng.randint(0, 300), rng.random() < 0.5, rng.randint(0, 500),
-                float(rng.random() < 0.5), agree)
+                float(rng.random() < 0.5), agree, _support(rng, n))
         np.testing.assert_allclose(S.logits(w, *args), S.features(*args) @ w,
                                    rtol=1e-9, atol=1e-9)
 
@@ -178,6 +190,30 @@ def test_shipped_file_loads_and_round_trips():
     again = S.StopModel.from_dict(json.loads(json.dumps(model.to_dict())))
     for s, w in model.coef.items():
         np.testing.assert_allclose(again.coef[s], w, atol=1e-6)
+
+
+def test_a_version_1_file_loads_without_the_ctx_terms():
+    """Files fitted before the ctx_* features (version 1) still load: their
+    coefficients as written, 0 for the features they lack."""
+    data = copy.deepcopy(_good())
+    n = len(S.V1_FEATURES)
+    data.update(version=1, features=list(S.V1_FEATURES))
+    for entry in data["sources"].values():
+        entry["coef"] = entry["coef"][:n]
+    model = S.StopModel.from_dict(data)
+    assert S.FEATURES[:n] == S.V1_FEATURES and len(S.FEATURES) > n
+    for name, entry in data["sources"].items():
+        assert model.coef[name][:n].tolist() == entry["coef"]
+        assert not model.coef[name][n:].any()
+    # version 1 with version 2's features, and the other way round: refused
+    bad = copy.deepcopy(data)
+    bad["features"] = list(S.FEATURES)
+    with pytest.raises(S.StopModelError, match="version 1's"):
+        S.StopModel.from_dict(bad)
+    bad = copy.deepcopy(data)
+    bad["version"] = 2
+    with pytest.raises(S.StopModelError, match="version 2's"):
+        S.StopModel.from_dict(bad)
 
 
 @pytest.mark.parametrize("mutate, words", [

@@ -615,3 +615,30 @@ def test_running_match_is_advance_over_the_text_before(seq):
         sa.link_steps = steps
         sa.append(t)
         assert sa.match_len == expected[1]
+
+
+def _brute_support(text, draft):
+    """Per draft token: the longest suffix of text + draft through it that
+    occurs somewhere in text."""
+    out = []
+    for i in range(len(draft)):
+        seq, best = list(text) + list(draft[:i + 1]), 0
+        for n in range(1, len(seq) + 1):
+            if any(list(text[j:j + n]) == seq[-n:] for j in range(len(text) - n + 1)):
+                best = n
+            else:
+                break
+        out.append(best)
+    return out
+
+
+@FAST
+@given(small_alphabet_seqs(), st.lists(st.integers(0, 4), max_size=10))
+def test_support_against_brute_force(text, draft):
+    """What the learned stop rule's ctx_* features read: how much of a draft
+    from elsewhere the request's own text supports (a token outside the
+    text's alphabet, 4 may be one, gives 0)."""
+    sa = SuffixAutomaton(text)
+    before = (sa.link_steps, sa.match_state, sa.match_len)
+    assert sa.support(draft) == _brute_support(text, draft)
+    assert (sa.link_steps, sa.match_state, sa.match_len) == before   # a query only

@@ -665,8 +665,9 @@ class SamProposer(Proposer):
             if stop.handles(source):
                 in_prompt = source == "dynamic" and 0 <= sa.match_end() < stop.prompt_len(req_id)
                 agree = agreement(tokens, [d[2] for d in drafts if d[0] != source])
+                support = None if source == "dynamic" else sa.support(tokens)
                 p = stop.conditional(req_id, source, length, row, shares, len(tokens), in_prompt,
-                                     agree)
+                                     agree, support)
                 if stop.record is not None:
                     stop.record(req_id, source, tokens)
             else:   # no coefficients for it: the table's estimates

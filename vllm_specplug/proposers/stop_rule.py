@@ -39,12 +39,17 @@ from typing import Sequence
 import numpy as np
 
 FORMAT = "specplug-sam-stop"
-VERSION = 1
+VERSION = 2
 #: feature names, in the coefficient order of the file
 FEATURES = ("bias", "depth_log", "depth0", "match_log", "table_logit", "share_logit",
             "share_known", "cum_share_log", "ewma_logit", "ewma_drafts_log",
             "since_reject_log", "in_prompt", "generated_log", "last_full",
-            "depth_x_match", "depth_x_ewma", "depth_x_table", "agree", "other_known")
+            "depth_x_match", "depth_x_ewma", "depth_x_table", "agree", "other_known",
+            "ctx_uni", "ctx_bi", "ctx_log")
+#: version 1 files (no ctx_* features) load with those coefficients at 0
+V1_FEATURES = FEATURES[:19]
+#: the support length (``SuffixAutomaton.support``) ctx_log counts up to
+SUPPORT_CAP = 64
 SOURCES = ("dynamic", "global", "static")
 #: upper edges of the calibration bins of an estimate q (the last bin: up to 1)
 CALIB_EDGES = np.array([0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9])
@@ -101,11 +106,13 @@ class StopModel:
 
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise bad(f"not a {FORMAT} file (its 'format' must be {FORMAT!r})")
-        if data.get("version") != VERSION:
-            raise bad(f"version {data.get('version')!r}, this plugin reads version {VERSION}")
-        if list(data.get("features", ())) != list(FEATURES):
-            raise bad(f"its features {data.get('features')!r} are not this plugin's "
-                      f"{list(FEATURES)}")
+        version = data.get("version")
+        if version not in (1, VERSION) or isinstance(version, bool):
+            raise bad(f"version {version!r}, this plugin reads versions 1 and {VERSION}")
+        names = list(V1_FEATURES if version == 1 else FEATURES)
+        if list(data.get("features", ())) != names:
+            raise bad(f"its features {data.get('features')!r} are not version {version}'s "
+                      f"{names}")
         sources = data.get("sources")
         if not isinstance(sources, dict) or not sources:
             raise bad("'sources' must map at least one source to its coefficients")
@@ -114,12 +121,13 @@ class StopModel:
             if name not in SOURCES:
                 raise bad(f"unknown source {name!r} (known: {list(SOURCES)})")
             w = entry.get("coef") if isinstance(entry, dict) else None
-            if (not isinstance(w, list) or len(w) != len(FEATURES)
+            if (not isinstance(w, list) or len(w) != len(names)
                     or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
                                and math.isfinite(v) and abs(v) < 1e3 for v in w)):
-                raise bad(f"source {name!r}: 'coef' must be {len(FEATURES)} finite numbers "
+                raise bad(f"source {name!r}: 'coef' must be {len(names)} finite numbers "
                           f"below 1000 in size")
-            coef[name] = np.asarray(w, dtype=np.float64)
+            coef[name] = np.zeros(len(FEATURES))   # version 1: no ctx_* terms
+            coef[name][:len(names)] = w
         return cls(coef, {k: v for k, v in data.items() if k not in ("sources",)})
 
     def to_dict(self, meta: dict | None = None) -> dict:
@@ -149,7 +157,8 @@ class _Request:
 def features(depths: int, match_len: int, table_p: Sequence[float],
              shares: Sequence[float] | None, ewma: float, ewma_drafts: int,
              since_reject: int, in_prompt: bool, generated: int, last_full: float,
-             agree: np.ndarray | None = None) -> np.ndarray:
+             agree: np.ndarray | None = None,
+             support: Sequence[int] | None = None) -> np.ndarray:
     """The feature matrix (``depths`` rows, ``FEATURES`` columns) of one
     candidate draft. ``table_p``: the source table's estimates that the
     draft is accepted through each position (at least ``depths`` of them);
@@ -157,7 +166,10 @@ def features(depths: int, match_len: int, table_p: Sequence[float],
     through each position (``SuffixAutomaton.frequent_continuation``), or
     None when the source does not give them; ``agree``: per position, 1
     where another source's draft has the same tokens up to there (None: no
-    other source drafted)."""
+    other source drafted); ``support``: per position, how many of the last
+    tokens through it occur together in this request's own text
+    (``SuffixAutomaton.support``; None for a draft copied from that text,
+    the dynamic source, whose ctx_* features are 0)."""
     X = np.empty((depths, len(FEATURES)))
     d = np.arange(depths)
     X[:, 0] = 1.0
@@ -190,6 +202,13 @@ def features(depths: int, match_len: int, table_p: Sequence[float],
     else:
         X[:, 17] = agree[:depths]
         X[:, 18] = 1.0
+    if support is None:
+        X[:, 19:22] = 0.0
+    else:
+        sup = np.asarray(support[:depths], dtype=np.float64)
+        X[:, 19] = sup >= 1
+        X[:, 20] = sup >= 2
+        X[:, 21] = np.log1p(np.minimum(sup, SUPPORT_CAP))
     return X
 
 
@@ -210,7 +229,8 @@ def _cond_logit(cum: Sequence[float], depths: int) -> np.ndarray:
 def logits(w: np.ndarray, depths: int, match_len: int, table_p: Sequence[float],
            shares: Sequence[float] | None, ewma: float, ewma_drafts: int,
            since_reject: int, in_prompt: bool, generated: int, last_full: float,
-           agree: np.ndarray | None = None) -> np.ndarray:
+           agree: np.ndarray | None = None,
+           support: Sequence[int] | None = None) -> np.ndarray:
     """``features(...) @ w`` without building the matrix (what ``propose``
     runs: the per-draft features enter as one constant)."""
     global _DEPTH_LOG
@@ -234,6 +254,10 @@ def logits(w: np.ndarray, depths: int, match_len: int, table_p: Sequence[float],
     if agree is not None:
         z += w[17] * agree[:depths]
         z += w[18]
+    if support is not None:
+        sup = np.asarray(support[:depths], dtype=np.float64)
+        z += w[19] * (sup >= 1) + w[20] * (sup >= 2)
+        z += w[21] * np.log1p(np.minimum(sup, SUPPORT_CAP))
     return z
 
 
@@ -303,14 +327,15 @@ class LearnedStop:
     # ------------------------------------------------------------ scoring
     def conditional(self, req_id: str, source: str, match_len: int, table_p: Sequence[float],
                     shares: Sequence[float] | None, depths: int, in_prompt: bool,
-                    agree: np.ndarray | None = None) -> np.ndarray:
+                    agree: np.ndarray | None = None,
+                    support: Sequence[int] | None = None) -> np.ndarray:
         """Per position, the probability of acceptance given the positions
         before (the model's raw estimates)."""
         r = self._req[req_id]
         s = SOURCES.index(source)
         ewma = (r.num[s] + 1.0) / (r.den[s] + 2.0)
         args = (depths, match_len, table_p, shares, ewma, r.drafts[s], r.since_reject,
-                in_prompt, r.generated, r.last_full, agree)
+                in_prompt, r.generated, r.last_full, agree, support)
         if self.record is not None:
             self.last_features = features(*args)
         z = logits(self.model.coef[source], *args)

@@ -17,7 +17,7 @@ No vLLM import: a plain algorithm, property-tested against brute force.
 from __future__ import annotations
 
 from array import array
-from typing import Iterable
+from typing import Iterable, Sequence
 
 
 class SuffixAutomaton:
@@ -152,6 +152,30 @@ class SuffixAutomaton:
             s = link[s]
             l = lens[s]
             self.link_steps += 1
+
+    def support(self, draft: Sequence[int]) -> list[int]:
+        """Per token of ``draft`` (a continuation of this text): the length of
+        the longest suffix of (text + draft up to that token) that occurs in
+        the text. 0: the token never occurs in it; 1: it occurs, but not
+        after the token before it; n: the last n tokens occur together.
+        How much of a draft copied from elsewhere (another request's
+        output) this request's own text supports."""
+        nxt, lens, link = self._next, self._len, self._link
+        s, l = self._last, len(self.tokens)
+        out = []
+        for t in draft:
+            while True:
+                d = nxt[s]
+                if d is not None and t in d:
+                    s, l = d[t], l + 1
+                    break
+                if s == 0:
+                    l = 0
+                    break
+                s = link[s]
+                l = lens[s]
+            out.append(l)
+        return out
 
     # -------------------------------------------------------------- queries
     def match_end(self) -> int:
