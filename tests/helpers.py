@@ -431,3 +431,18 @@ def compare_with_hf_layer(head, layer, rope, start: int, change=None) -> float:
         ours, _, _ = head(e, f, pos)
     torch.testing.assert_close(ours, ref[0], atol=2e-5, rtol=1e-5)
     return (ours - ref[0]).abs().max().item()
+
+
+def brute_support(text, draft):
+    """Per draft token: the longest suffix of text + draft through it that
+    occurs somewhere in text (brute force of ``SuffixAutomaton.support``)."""
+    out = []
+    for i in range(len(draft)):
+        seq, best = list(text) + list(draft[:i + 1]), 0
+        for n in range(1, len(seq) + 1):
+            if any(list(text[j:j + n]) == seq[-n:] for j in range(len(text) - n + 1)):
+                best = n
+            else:
+                break
+        out.append(best)
+    return out

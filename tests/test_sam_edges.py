@@ -13,6 +13,8 @@ import math
 import numpy as np
 import pytest
 
+from helpers import brute_support
+
 from vllm_specplug.config import translate
 from vllm_specplug.options import SpecPlugConfigError
 from vllm_specplug.proposers import corpus_automaton
@@ -576,23 +578,9 @@ def test_learned_rule_reads_each_sources_table_and_the_other_drafts(monkeypatch)
     # the global draft's support in the request's own text, by brute force
     # (the dynamic draft is a copy of that text: no support computed)
     assert asked["dynamic"][3] is None
-    assert asked["global"][3] == _brute_support(CTX, drafts["global"])
+    assert asked["global"][3] == brute_support(CTX, drafts["global"])
     assert 0 in asked["global"][3]                          # 60.. never occur in CTX
 
-
-def _brute_support(text, draft):
-    """Per draft token: the longest suffix of text + draft through it that
-    occurs in text."""
-    out = []
-    for i in range(len(draft)):
-        seq, best = list(text) + list(draft[:i + 1]), 0
-        for n in range(1, len(seq) + 1):
-            if any(list(text[j:j + n]) == seq[-n:] for j in range(len(text) - n + 1)):
-                best = n
-            else:
-                break
-        out.append(best)
-    return out
 
 
 def test_learned_rule_keeps_the_better_source(monkeypatch):

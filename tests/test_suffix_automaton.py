@@ -21,6 +21,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from helpers import brute_support
+
 from vllm_specplug.proposers.suffix_automaton import SuffixAutomaton
 
 FAST = settings(max_examples=150, deadline=None,
@@ -617,20 +619,6 @@ def test_running_match_is_advance_over_the_text_before(seq):
         assert sa.match_len == expected[1]
 
 
-def _brute_support(text, draft):
-    """Per draft token: the longest suffix of text + draft through it that
-    occurs somewhere in text."""
-    out = []
-    for i in range(len(draft)):
-        seq, best = list(text) + list(draft[:i + 1]), 0
-        for n in range(1, len(seq) + 1):
-            if any(list(text[j:j + n]) == seq[-n:] for j in range(len(text) - n + 1)):
-                best = n
-            else:
-                break
-        out.append(best)
-    return out
-
 
 @FAST
 @given(small_alphabet_seqs(), st.lists(st.integers(0, 4), max_size=10))
@@ -640,5 +628,5 @@ def test_support_against_brute_force(text, draft):
     text's alphabet, 4 may be one, gives 0)."""
     sa = SuffixAutomaton(text)
     before = (sa.link_steps, sa.match_state, sa.match_len)
-    assert sa.support(draft) == _brute_support(text, draft)
+    assert sa.support(draft) == brute_support(text, draft)
     assert (sa.link_steps, sa.match_state, sa.match_len) == before   # a query only
