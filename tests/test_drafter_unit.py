@@ -50,6 +50,11 @@ def test_construction(patch_calls):
                                         "expected": 0.0}
     assert stats.pop("faults") == {"requests": 0, "steps": 0, "hooks": {},
                                    "requests_without_drafts": 0}
+    trim = stats.pop("malloc_trim")  # on where the C library is glibc; nothing trimmed yet
+    from vllm_specplug.malloc_trim import glibc_trim
+
+    assert (trim["on"], trim["calls"], trim["interval_s"]) == (
+        glibc_trim()[0] is not None, 0, 60.0), trim
     sizes = stats.pop("sizes")  # every structure that grows with traffic: empty
     assert {"drafter_requests", "sam_requests", "sam_acceptance_cache"} <= set(sizes)
     assert set(sizes.values()) == {0}, sizes

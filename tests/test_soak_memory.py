@@ -104,3 +104,14 @@ def test_a_run_cut_short_shortens_every_methods_window():
     t = check({"plain": plain, "sam": short}, baseline=200)
     assert (t["plain"]["to"], t["sam"]["to"]) == (400, 400)
     assert t["plain"]["rss_mb"] == 20 and t["sam"]["pass"] is False
+
+
+def test_the_servers_malloc_trim_interval_is_checked_before_any_server():
+    import pytest
+
+    from vllm_specplug.bench.soak import build_parser, main
+    from vllm_specplug.malloc_trim import MallocTrimConfigError
+
+    assert build_parser().parse_args(["--malloc-trim-s", "5"]).malloc_trim_s == "5"
+    with pytest.raises(MallocTrimConfigError, match="VLLM_SPECPLUG_MALLOC_TRIM_S"):
+        main(["--methods", "plain", "--requests", "100", "--malloc-trim-s", "-3"])

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
 
+from .malloc_trim import interval_from_env
 from .options import SpecPlugConfigError, did_you_mean, valid_keys_text, validate_options
 from . import __version__
 from .budget import pop_batch_options
@@ -88,6 +89,7 @@ def translate(spec: Mapping[str, Any], tokenizer: str | None = None
     ``tokenizer`` (the target model's tokenizer folder or name), when given,
     also checks the options against it (``Proposer.check_model``).
     """
+    interval_from_env()   # VLLM_SPECPLUG_MALLOC_TRIM_S: a bad value fails before the engine
     if not isinstance(spec, Mapping):
         raise SpecPlugConfigError(
             f"speculative_config must be a JSON object such as {{\"method\": \"sam\", "

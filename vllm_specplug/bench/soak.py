@@ -206,7 +206,8 @@ def malloc_trim(pid: int) -> str:
 
 def run_served(model: str, method: str, reqs: list[dict], sample_every: int,
                out_dir: Path, max_model_len: int = 2048, spec: dict | None = None,
-               trim: str | None = None, on_sample=None) -> dict:
+               trim: str | None = None, on_sample=None,
+               extra_env: dict[str, str] | None = None) -> dict:
     """The soak of one method through a server (``spec``: its speculative
     config, default the method's own). ``on_sample(samples, counts)`` runs
     after every sample (main writes the partial result, so a run cut short
@@ -221,7 +222,7 @@ def run_served(model: str, method: str, reqs: list[dict], sample_every: int,
         args += ["--speculative-config", json.dumps(spec)]
     env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
            "VLLM_SPECPLUG_STATS_FILE": str(stats_file),
-           "VLLM_SPECPLUG_STATS_INTERVAL": "1"}
+           "VLLM_SPECPLUG_STATS_INTERVAL": "1", **(extra_env or {})}
     samples: list[dict] = []
     counts = {"done": 0, "aborted": 0, "errors": 0}
     t0 = time.time()
@@ -254,7 +255,7 @@ def run_served(model: str, method: str, reqs: list[dict], sample_every: int,
                   f"{after_trim['tree_rss_mb']:.1f} MB (was {samples[-1]['tree_rss_mb']:.1f})",
                   flush=True)
     return {"method": method, "mode": "served", "speculative_config": spec,
-            "after_trim": after_trim, "trim": trim,
+            "after_trim": after_trim, "trim": trim, "extra_env": extra_env or {},
             "ld_preload": os.environ.get("LD_PRELOAD"),
             "server_start_s": round(started, 1), "counts": counts, "samples": samples}
 
@@ -431,6 +432,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "sample again (the RSS that goes is free memory glibc kept, not live "
                         "data); 'each': before every sample, so the samples and the pass rule "
                         "see live memory only")
+    p.add_argument("--malloc-trim-s", default=None, metavar="SECONDS",
+                   help="the servers' VLLM_SPECPLUG_MALLOC_TRIM_S (the plugin's own trim of "
+                        "glibc's free memory in the drafter's process; default: the "
+                        "plugin's default, 60; 0: off)")
     p.add_argument("--combine", nargs="*", default=None, metavar="SOAK_JSON",
                    help="no run: the pass table and plot of earlier soak.json files")
     return p
@@ -450,6 +455,12 @@ def main(argv: list[str]) -> int:
         if args.requests < args.sample_every:
             raise SystemExit(f"--requests {args.requests} is below --sample-every "
                              f"{args.sample_every}")
+        extra_env = {}
+        if args.malloc_trim_s is not None:
+            from ..malloc_trim import ENV, interval_from_env
+
+            interval_from_env({ENV: args.malloc_trim_s})   # a bad value fails here
+            extra_env[ENV] = args.malloc_trim_s
         model = args.model
         if model is None:
             from ..models import default_model_path
@@ -466,6 +477,7 @@ def main(argv: list[str]) -> int:
             d = out / f"{tag}_{method}{'_offline' if args.offline else ''}"
             d.mkdir(parents=True, exist_ok=True)
             if args.offline:
+                os.environ.update(extra_env)      # the engine runs in this process
                 res = run_offline(model, method, reqs, args.sample_every, args.baseline,
                                   args.tracemalloc)
             else:
@@ -475,7 +487,7 @@ def main(argv: list[str]) -> int:
                         samples=samples, complete=False), indent=1))
 
                 res = run_served(model, method, reqs, args.sample_every, d, trim=args.trim,
-                                 on_sample=partial)
+                                 on_sample=partial, extra_env=extra_env)
             res.update(info, complete=True)
             (d / "soak.json").write_text(json.dumps(res, indent=1))
             results[method] = res

@@ -47,7 +47,7 @@ import torch
 
 from vllm.v1.worker.gpu.spec_decode.speculator import BaseSpeculator
 
-from ... import faults
+from ... import faults, malloc_trim
 from ...config import build_proposer
 from ...proposers.base import Draft, RequestInfo, start_request
 from ...warmup import warm_up
@@ -79,6 +79,8 @@ class SamSpeculator(BaseSpeculator):
         # faults contained (docs/architecture.md, "Faults"): a request whose
         # proposer call raised decodes without drafts for the rest of its life
         self.containment = faults.Containment(self.method)
+        # glibc's free memory given back while serving (vllm_specplug.malloc_trim)
+        self.malloc_trim = malloc_trim.from_env()
         # newest tokens copied per row: a step commits at most K + 1, plus one
         # already seen to check that they continue it
         self.window = self.k + 2
@@ -133,6 +135,8 @@ class SamSpeculator(BaseSpeculator):
                 self.containment.request_fault(req_id, "complete", e, finished=True)
             self._rows.pop(slot, None)
             self._forget(req_id)
+        if not self._slots:           # no request left: an idle moment to trim
+            self.malloc_trim.maybe(idle=True)
 
     def reset_state(self) -> None:
         """Forget everything learned (global store, acceptance statistics)."""
@@ -186,6 +190,7 @@ class SamSpeculator(BaseSpeculator):
         self.stats["rows"] += num_reqs
         self.stats["copy_seconds"] += copied - started
         self.stats["host_seconds"] += time.perf_counter() - started
+        self.malloc_trim.maybe(idle=False)
         return self.drafts[:num_reqs]
 
     def _step_block(self, idx_mapping: torch.Tensor, num_sampled: torch.Tensor,

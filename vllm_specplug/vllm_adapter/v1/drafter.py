@@ -30,7 +30,7 @@ import numpy as np
 from ...budget import (SAVE_EVERY, AcceptanceCalibration, StepCostModel,
                       allocate_batch_exploring, expected_accepted, load_prior, save_fit,
                       subset)
-from ... import faults
+from ... import faults, malloc_trim
 from ...config import ADDITIONAL_CONFIG_KEY, ISOLATION_KEY, build_proposer
 from ...proposers.base import Draft, start_request
 from ...tree import depths
@@ -112,6 +112,8 @@ class SpecPlugDrafter(DrafterState):
         # the method's numba kernels compile (or load from the cache) now, at
         # engine start, not in the first requests (vllm_specplug.warmup)
         self.warmup_seconds = warm_up(plugin)
+        # glibc's free memory given back while serving (vllm_specplug.malloc_trim)
+        self.malloc_trim = malloc_trim.from_env()
         # The acceptance rule for temperature > 0 (None: lossless rejection
         # sampling; chains then go through vLLM's own rejection sampler).
         # Any other rule sees chains too: they are verified on the tree path.
@@ -318,6 +320,7 @@ class SpecPlugDrafter(DrafterState):
         self.propose_time["calls"] += 1
         self.propose_time["rows"] += len(sampled_token_ids)
         self.propose_time["seconds"] += time.perf_counter() - started
+        self.malloc_trim.maybe(idle=False)
         stats_export.maybe_write(self)  # VLLM_SPECPLUG_STATS_FILE, see stats_export
         return drafts
 
@@ -528,6 +531,8 @@ class SpecPlugDrafter(DrafterState):
             self.proposer.finish(req_id)
         except Exception as e:  # noqa: BLE001 - one request's fault stays its own
             self._request_fault(req_id, e, finished=finished)
+        if not self._seen:            # no request left: an idle moment to trim
+            self.malloc_trim.maybe(idle=True)
         stats_export.maybe_write(self, freed=True)
 
     # ------------------------------------------------------------------ faults
@@ -568,6 +573,7 @@ class SpecPlugDrafter(DrafterState):
                         "calibration_pending": len(self.calibration.pending),
                         "pending_topk": len(self.pending_topk),
                         **self.proposer.structure_sizes()}
+        out["malloc_trim"] = self.malloc_trim.stats()
         if self.proposer.drafts_trees or self.route_chains:
             out["tree"] = dict(self.step.stats)
         return out
