@@ -108,7 +108,6 @@ class Trimmer:
         self.calls = 0
         self.seconds = 0.0
         self.freed_bytes = 0
-        self.failed = False
 
     def maybe(self, idle: bool) -> bool:
         """Trim if it is time: ``idle`` (no request running) after an
@@ -130,7 +129,7 @@ class Trimmer:
         except Exception as e:  # noqa: BLE001 - memory hygiene must never break serving
             logger.warning("vllm_specplug: malloc_trim failed (%s); it stays off in this "
                            "process", e)
-            self.trim, self.failed, self.why_off = None, True, f"failed: {e}"
+            self.trim, self.why_off = None, f"failed: {e}"
             return False
         return True
 

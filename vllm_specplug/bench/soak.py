@@ -364,7 +364,8 @@ def check(results: dict[str, dict], baseline: int, slack_mb: float = SLACK_MB) -
     byte growth + ``slack_mb``) and whether it passes. Every method is
     judged over the same requests: up to the last sample all of them reached
     (a run cut short, ``complete: false``, shortens the window for all)."""
-    until = min(res["samples"][-1]["requests"] for res in results.values() if res["samples"])
+    until = min((res["samples"][-1]["requests"] for res in results.values() if res["samples"]),
+                default=None)
     plain = growth(results["plain"], baseline, until) if "plain" in results else None
     table = {}
     for method, res in results.items():

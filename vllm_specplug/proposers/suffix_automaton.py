@@ -160,21 +160,13 @@ class SuffixAutomaton:
         after the token before it; n: the last n tokens occur together.
         How much of a draft copied from elsewhere (another request's
         output) this request's own text supports."""
-        nxt, lens, link = self._next, self._len, self._link
+        steps = self.link_steps           # a query: the construction counter stays
         s, l = self._last, len(self.tokens)
         out = []
         for t in draft:
-            while True:
-                d = nxt[s]
-                if d is not None and t in d:
-                    s, l = d[t], l + 1
-                    break
-                if s == 0:
-                    l = 0
-                    break
-                s = link[s]
-                l = lens[s]
+            s, l = self.advance(s, l, t)
             out.append(l)
+        self.link_steps = steps
         return out
 
     # -------------------------------------------------------------- queries
