@@ -57,6 +57,8 @@ VLLM_ATTRIBUTES = [
     ("vllm.v1.request", "Request", "cache_salt"),
     ("vllm.v1.core.sched.output", "SchedulerOutput", "scheduled_new_reqs"),
     ("vllm.v1.core.sched.output", "NewRequestData", "req_id"),
+    # queue_state.py (the queue length the Scheduler.schedule patch sends)
+    ("vllm.v1.core.sched.scheduler", "Scheduler", "get_request_counts"),
     ("vllm.v1.worker.gpu_input_batch", "CachedRequestState", "lora_request"),
     ("vllm.lora.request", "LoRARequest", "lora_name"),
     ("vllm.sampling_params", "SamplingParams", "extra_args"),

@@ -291,3 +291,224 @@ def test_drafter_calibrates_from_what_verification_accepted(patch_calls):
     for r in ("a", "b"):
         d.finish_request(r)
     assert not d.calibration.pending
+
+
+# ------------------------------------------------------- fixed batches: pacing
+def _paced_rate(kept, eligible, a, b, rows):
+    """The critical rows' expected tokens per second: their own tokens (one
+    each plus accepted nodes) over the whole step's cost."""
+    out = sum(1 + float(np.sum(d.scores)) if len(d) else 1
+              for d, e in zip(kept, eligible) if e)
+    tokens = rows + sum(len(d) for d in kept)
+    return out / (a + b * tokens)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 40), st.floats(0.5, 9.0)), min_size=1, max_size=6),
+       st.integers(0, 8))
+def test_must_draft_names_the_rows_that_would_finish_after_the_batch(rows, margin):
+    """A row need not draft when, without drafts (one token a step), it
+    finishes within ``margin`` of the batch's last row at their paces."""
+    from vllm_specplug.budget import must_draft
+
+    remaining = [None if r == 0 else r for r, _ in rows]
+    pace = [p for _, p in rows]
+    got = must_draft(remaining, pace, margin)
+    live = [(r, max(p, 1.0)) for r, p in zip(remaining, pace) if r is not None]
+    if not live:
+        assert got is None
+        return
+    finish = max(r / p for r, p in live)
+    for i, (r, p) in enumerate(zip(remaining, pace)):
+        last = r is not None and r / max(p, 1.0) == finish
+        assert got[i] == (r is not None and (r + margin > finish or last)), (i, r, finish)
+    # the row that finishes last always drafts
+    last = max((r / max(p, 1.0), i) for i, (r, p) in enumerate(zip(remaining, pace))
+               if r is not None)[1]
+    assert got[last]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.lists(probs, min_size=0, max_size=4), min_size=2, max_size=4),
+       st.lists(st.integers(1, 12), min_size=4, max_size=4),
+       st.lists(st.floats(1.0, 3.0), min_size=4, max_size=4), st.floats(0.01, 0.3))
+def test_pace_batch_drafts_only_rows_that_must_and_is_optimal_for_them(rows_values, left,
+                                                                       pace, ratio):
+    """Rows that finish in time without drafts keep nothing; over every
+    combination of the other rows' chain prefixes, none has higher expected
+    tokens per second for those rows than ``pace_batch``'s choice."""
+    from vllm_specplug.budget import must_draft, pace_batch
+
+    drafts = [chain(monotone_values(np.asarray(v), None)) for v in rows_values]
+    remaining, pace = left[: len(drafts)], pace[: len(drafts)]
+    eligible = must_draft(remaining, pace, 0.0).tolist()
+    rows = len(drafts)
+    got, explored, dropped = pace_batch(drafts, remaining, pace, 1.0, ratio, rows)
+    assert explored == 0
+    assert dropped == sum(len(d) for d, e in zip(drafts, eligible) if not e)
+    for d, g, e in zip(drafts, got, eligible):
+        if not e:
+            assert len(g) == 0
+        assert g.tokens.tolist() == d.tokens[: len(g)].tolist()
+    best = max(_paced_rate([_prefix(d, n) if e else Draft.empty()
+                            for d, n, e in zip(drafts, ns, eligible)], eligible, 1.0, ratio, rows)
+               for ns in itertools.product(*[range(len(d) + 1) for d in drafts]))
+    assert _paced_rate(got, eligible, 1.0, ratio, rows) >= best - 1e-12
+
+
+def test_a_lone_slowest_row_drafts_as_a_batch_of_one_would():
+    """In a batch of 8 where one row would finish last (41 tokens at 1.1 a
+    step, 37 steps; the others finish in 20 at 2 a step, or in 30 without
+    drafting), that row keeps a node worth 0.3 (a batch of one would: bar
+    b / (a + b T) ~ 0.1), which the throughput rule, counting every row's
+    token as output, cuts (bar ~ 0.6); the rows ahead keep nothing, even a
+    node worth 0.9."""
+    from vllm_specplug.budget import pace_batch
+
+    a, b, rows = 1.0, 0.1, 8
+    drafts = [chain([0.9])] * 7 + [chain([0.3])]
+    remaining, pace = [30] * 7 + [41], [2.0] * 7 + [1.1]
+    thr = allocate_batch(drafts, a, b, rows)
+    assert [len(d) for d in thr] == [1] * 7 + [0]
+    paced, _, dropped = pace_batch(drafts, remaining, pace, a, b, rows, margin=4)
+    assert [len(d) for d in paced] == [0] * 7 + [1]
+    assert dropped == 7
+
+
+def test_rows_that_would_overtake_the_slowest_keep_drafting():
+    """Leapfrogging: when every row drafts well (9 tokens a step), a row a
+    few tokens ahead of the last must still draft, or the last one overtakes
+    it and it finishes last at one token a step."""
+    from vllm_specplug.budget import pace_batch
+
+    drafts = [chain([0.9] * 8)] * 4
+    paced, _, dropped = pace_batch(drafts, [64, 60, 56, 40], [9.0] * 4, 1.0, 0.01, 4)
+    assert [len(d) for d in paced] == [8] * 4 and dropped == 0
+
+
+def test_row_paces_count_only_drafted_steps():
+    from vllm_specplug.budget import RowPaces
+
+    p = RowPaces()
+    assert p.pace("a") == RowPaces.PRIOR
+    p.committed("a", 1)                  # no draft verified: not counted
+    assert p.pace("a") == RowPaces.PRIOR
+    p.draft("a", 4)
+    p.committed("a", 5)
+    assert p.pace("a") == pytest.approx(2.0 * 0.75 + 5 * 0.25)
+    assert p.overall == pytest.approx(2.0 * 0.98 + 5 * 0.02)
+    p.committed("a", 1)                  # the draft was counted once
+    assert p.pace("a") == pytest.approx(2.75)
+    p.draft("b", 2)
+    assert len(p) == 2
+    p.forget("a")
+    p.forget("b")
+    assert len(p) == 0 and p.pace("a") == p.overall
+
+
+def test_length_endings_turn_pacing_off_and_on():
+    from vllm_specplug.budget import LengthEndings
+
+    e = LengthEndings()
+    assert e.binding                     # a fresh engine paces its first fixed batch
+    for _ in range(2):
+        e.record(False)
+    assert e.binding
+    e.record(False)                      # three early endings in a row: off
+    assert not e.binding
+    for _ in range(20):
+        e.record(False)
+    for n in range(3):
+        assert not e.binding, n
+        e.record(True)
+    assert e.binding and e.finished == 26
+
+
+def _fake_runner(specs):
+    """A runner holding requests {req_id: (prompt tokens, max_tokens)}."""
+    from types import SimpleNamespace as NS
+
+    return NS(requests={rid: NS(sampling_params=NS(max_tokens=m, extra_args=None),
+                                num_prompt_tokens=p, lora_request=None)
+                        for rid, (p, m) in specs.items()})
+
+
+def _scheduler_output(req_ids, waiting):
+    from types import SimpleNamespace as NS
+
+    from vllm_specplug.vllm_adapter.v1.queue_state import WAITING_ATTR
+
+    out = NS(scheduled_new_reqs=[NS(req_id=r, specplug_cache_salt=None) for r in req_ids])
+    if waiting is not None:
+        setattr(out, WAITING_ATTR, waiting)
+    return out
+
+
+@pytest.mark.parametrize("mode, waiting, paced", [
+    ("auto", 0, True), ("auto", 1, False), ("auto", None, False), ("throughput", 0, False)])
+def test_drafter_paces_fixed_batches(patch_calls, mode, waiting, paced):
+    """With nothing waiting in the scheduler's queue, the row with more
+    tokens still to generate drafts and the row ahead of it does not; with a
+    request waiting, an unknown queue or "throughput", both draft."""
+    d = _drafter({"method": "sam", "num_speculative_tokens": 4, "sam_min_accept_prob": 0.0,
+                  "batch_budget": mode})
+    # verified tokens nearly free: the throughput rule keeps both drafts
+    d.step_cost = type(d.step_cost)(prior_a=1.0, prior_b=1e-4, prior_weight=1e9)
+    hists = [[1, 2, 3, 1, 2], [7, 8, 7, 8]]
+    # "a": 3 generated of 20, 16 left after this step; "b": 2 generated of
+    # 50, 47 left: at the prior pace (2 a step) "b" finishes in 23.5 steps,
+    # "a" in 16 without drafting
+    d.runner = _fake_runner({"a": (2, 20), "b": (2, 50)})
+    d.note_scheduler_output(_scheduler_output(["a", "b"], waiting))
+    drafts = step(d, ["a", "b"], hists, [[2], [8]])
+    assert len(drafts[1]) > 0
+    assert (len(drafts[0]) == 0) == paced, drafts
+    s = d.stats()
+    assert s["batch_budget"]["paced_steps"] == int(paced)
+    assert (s["batch_budget"]["nodes_paced_off"] > 0) == paced
+    assert s["pacing"]["waiting"] == waiting
+    assert s["sizes"]["drafter_remaining"] == 2
+    assert s["sizes"]["drafter_paces"] == 2 - int(paced)   # rows that drafted
+
+
+def test_drafter_stops_pacing_when_requests_end_before_max_tokens(patch_calls):
+    """Requests that finish far from their max_tokens (an end-of-sequence
+    token) turn pacing off; requests run to it turn it back on."""
+    d = _drafter({"method": "sam", "num_speculative_tokens": 4, "sam_min_accept_prob": 0.0})
+    d.step_cost = type(d.step_cost)(prior_a=1.0, prior_b=1e-4, prior_weight=1e9)
+    hists = [[1, 2, 3, 1, 2], [7, 8, 7, 8]]
+
+    def batch(ids, max_tokens):
+        d.runner = _fake_runner({r: (2, m) for r, m in zip(ids, max_tokens)})
+        d.note_scheduler_output(_scheduler_output(ids, 0))
+        drafts = step(d, ids, hists, [[2], [8]])
+        for r in ids:
+            d.finish_request(r)
+        return drafts
+
+    for n in range(2):  # 2 x 2 requests ending 20+ tokens before their bound
+        assert len(batch([f"a{n}", f"b{n}"], (20, 50))[0]) == 0
+    assert not d.length_endings.binding
+    assert len(batch(["a2", "b2"], (20, 50))[0]) > 0     # not paced: both draft
+    # requests ending at their bound: 3 generated of max_tokens 4 -> 0 left
+    batch(["a3", "b3"], (4, 4))
+    batch(["a4", "b4"], (4, 4))
+    assert d.length_endings.binding
+    assert d.stats()["sizes"]["drafter_remaining"] == 0
+    assert d.stats()["sizes"]["drafter_paces"] == 0
+
+
+def test_schedule_patch_sets_the_waiting_count():
+    from types import SimpleNamespace as NS
+
+    from vllm_specplug.vllm_adapter.v1.queue_state import (WAITING_ATTR, make_schedule,
+                                                           waiting_of)
+
+    class FakeScheduler:
+        def get_request_counts(self):
+            return 5, 3
+
+    schedule = make_schedule(lambda self, *a, **k: NS(scheduled_new_reqs=[]))
+    out = schedule(FakeScheduler())
+    assert getattr(out, WAITING_ATTR) == 3 and waiting_of(out) == 3
+    assert waiting_of(NS()) is None and waiting_of(None) is None

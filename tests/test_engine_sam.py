@@ -45,7 +45,13 @@ def test_sam_greedy_is_token_identical_to_plain_in_a_batch(get_llm, lossless_pro
 def test_sam_metrics_and_tau_on_repetitive_categories(get_llm, spec_bench_prompts, category):
     llm = get_llm("sam", SAM)
     prompts = [r["prompt"] for r in pick(spec_bench_prompts, [category], 4)]
-    tau, delta, outs = tau_of(llm, lambda: chat(llm, prompts, max_tokens=64))
+    # every row may draft (pacing, which lets only the slowest rows of a
+    # fixed batch draft, is checked in test_sam_paces_a_fixed_batch)
+    llm.llm_engine.collective_rpc(_set_batch_budget, args=("throughput",))
+    try:
+        tau, delta, outs = tau_of(llm, lambda: chat(llm, prompts, max_tokens=64))
+    finally:
+        llm.llm_engine.collective_rpc(_set_batch_budget, args=("auto",))
     # vLLM's own spec-decode counters are populated by our method.
     assert delta["drafts"] > 0
     assert delta["draft_tokens"] >= delta["drafts"]
@@ -58,6 +64,35 @@ def test_sam_metrics_and_tau_on_repetitive_categories(get_llm, spec_bench_prompt
     # cost measured on this machine: tests/test_batch_budget.py checks that).
     b = llm.llm_engine.collective_rpc(_drafter_stats)[0]["batch_budget"]
     assert b["steps"] > 0 and 0 < b["nodes_kept"] <= b["nodes_proposed"], b
+
+
+def _set_batch_budget(worker, mode):
+    worker.model_runner.drafter.plugin["batch_budget"] = mode
+
+
+def test_sam_paces_a_fixed_batch(get_llm, spec_bench_prompts):
+    """One chat call is a fixed batch: the scheduler's queue length reaches
+    the worker (the Scheduler.schedule patch, in the engine core's process)
+    as 0, so the default budget lets only the rows with the most tokens left
+    draft (budget.pace_batch); outputs stay plain decoding's, and the
+    slowest rows' drafts are still accepted."""
+    from helpers import assert_same_tokens
+
+    # categories no other test sends this engine (its global store holds
+    # their answers: with every row drafting at 7+ tokens a step, every row
+    # must draft to keep up, and none is paced off)
+    prompts = [r["prompt"] for r in pick(spec_bench_prompts, ["coding", "extraction"], 3)]
+    plain = chat(get_llm("plain"), prompts, max_tokens=64)
+    llm = get_llm("sam", SAM)
+    before = llm.llm_engine.collective_rpc(_drafter_stats)[0]
+    tau, delta, outs = tau_of(llm, lambda: chat(llm, prompts, max_tokens=64))
+    after = llm.llm_engine.collective_rpc(_drafter_stats)[0]
+    assert_same_tokens(plain, outs)
+    assert after["pacing"]["waiting"] == 0, after["pacing"]
+    b0, b1 = before["batch_budget"], after["batch_budget"]
+    assert b1["paced_steps"] > b0["paced_steps"], (b0, b1, after["pacing"])
+    assert b1["nodes_paced_off"] > b0["nodes_paced_off"], (b0, b1)
+    assert delta["accepted"] >= 5, delta
 
 
 def test_sam_requests_state_is_freed(get_llm, spec_bench_prompts):

@@ -24,6 +24,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
@@ -238,7 +239,8 @@ def allocate_batch(drafts: list, a: float, b: float, rows: int, scale: float = 1
 
 def allocate_batch_exploring(drafts: list, a: float, b: float, rows: int,
                              scale: float = 1.0, explore: int = 0,
-                             margin: float = 0.5) -> tuple[list, int]:
+                             margin: float = 0.5,
+                             eligible: np.ndarray | None = None) -> tuple[list, int]:
     """``allocate_batch``, then up to ``explore`` more nodes that do not pay
     for themselves on their current estimates, the most likely first, each
     with an estimate (before ``scale``) above ``margin`` times the value it
@@ -252,13 +254,19 @@ def allocate_batch_exploring(drafts: list, a: float, b: float, rows: int,
     reads the proposer's own estimate, not the calibrated one: calibration
     learns only from verified drafts too, so a ratio that fell to its floor
     on a few failed drafts must not stop the exploration that lets it
-    recover."""
+    recover.
+
+    ``eligible`` (a mask over rows; ``pace_batch``): only those rows' nodes
+    may be kept, and only those rows' tokens count as the step's output (the
+    others' one token each still counts in the step's cost)."""
     from .proposers.base import Draft
 
     n_tokens = float(rows)
-    expected = float(rows)
+    expected = float(rows) if eligible is None else float(np.count_nonzero(eligible))
     cands: list[tuple[float, int, int]] = []
     for i, d in enumerate(drafts):
+        if eligible is not None and not eligible[i]:
+            continue
         if d.scores is None:
             n_tokens += len(d)
             continue
@@ -292,6 +300,123 @@ def allocate_batch_exploring(drafts: list, a: float, b: float, rows: int,
     return out, explored
 
 
+def must_draft(remaining: Sequence[int | None], pace: Sequence[float],
+               margin: float) -> np.ndarray | None:
+    """The rows whose drafts can shorten a fixed batch. Row i, with
+    ``remaining[i]`` tokens still to generate (None: not decoding this step)
+    at ``pace[i]`` tokens a step while it drafts (>= 1), would finish in
+    ``remaining / pace`` steps; the batch in the largest of these, M. A row
+    that stops drafting finishes in ``remaining`` steps, which is no later
+    than the batch when ``remaining <= M``: it need not draft. Rows within
+    ``margin`` tokens of that (``remaining > M - margin``) draft, so pace
+    estimates that run low do not stretch the batch, and so does the row
+    that finishes last. None when no row decodes."""
+    rows = [(i, r, max(float(p), 1.0)) for i, (r, p) in enumerate(zip(remaining, pace))
+            if r is not None]
+    if not rows:
+        return None
+    finish = max(r / p for _, r, p in rows)
+    out = np.zeros(len(remaining), dtype=bool)
+    for i, r, p in rows:
+        out[i] = r + margin > finish or r / p >= finish
+    return out
+
+
+def pace_batch(drafts: list, remaining: Sequence[int | None], pace: Sequence[float],
+               a: float, b: float, rows: int, scale: float = 1.0, explore: int = 0,
+               margin: float = 0.0) -> tuple[list, int, int]:
+    """Batch budgets when nothing is waiting to take a finished row's slot
+    (a fixed batch, such as one ``LLM.generate`` call; the tail of any
+    offline run): the batch then takes as many steps as its slowest row, and
+    an accepted token on a row that would finish in time without it saves
+    that row's one token in one later step, about what verifying one draft
+    token costs, so it does not pay. Only the rows ``must_draft`` names draft,
+    their nodes chosen as in ``allocate_batch`` with only their tokens
+    counted as output (a lone slowest row drafts about as much as a batch of
+    one would). Returns (drafts, nodes explored, nodes dropped from the
+    other rows)."""
+    from .proposers.base import Draft
+
+    eligible = must_draft(remaining, pace, margin)
+    if eligible is None:
+        return drafts, 0, 0
+    out, explored = allocate_batch_exploring(drafts, a, b, rows, scale, explore,
+                                             eligible=eligible)
+    dropped = 0
+    for i, d in enumerate(drafts):
+        if not eligible[i] and len(d):
+            dropped += len(d)
+            out[i] = Draft.empty()
+    return out, explored, dropped
+
+
+class RowPaces:
+    """Each decoding request's tokens committed per step in the steps it
+    drafted (``pace_batch``'s ``pace``), exponentially weighted; a request
+    not yet measured gets the weighted mean of all requests' (starting at
+    ``PRIOR``, optimistic, so an unmeasured row is not thought slower than
+    it is). One entry per live request (``forget`` when it leaves)."""
+
+    DECAY = 0.75
+    OVERALL_DECAY = 0.98
+    PRIOR = 2.0
+
+    def __init__(self) -> None:
+        self.rows: dict[str, float] = {}
+        self.drafted: dict[str, int] = {}
+        self.overall = self.PRIOR
+
+    def pace(self, req_id: str) -> float:
+        return self.rows.get(req_id, self.overall)
+
+    def committed(self, req_id: str, tokens: int) -> None:
+        """The request's last step committed ``tokens``: counted when that
+        step verified a draft of it."""
+        if not self.drafted.pop(req_id, 0):
+            return
+        self.rows[req_id] = self.pace(req_id) * self.DECAY + (1 - self.DECAY) * tokens
+        self.overall = self.overall * self.OVERALL_DECAY + (1 - self.OVERALL_DECAY) * tokens
+
+    def draft(self, req_id: str, nodes: int) -> None:
+        if nodes:
+            self.drafted[req_id] = nodes
+        else:
+            self.drafted.pop(req_id, None)
+
+    def forget(self, req_id: str) -> None:
+        self.rows.pop(req_id, None)
+        self.drafted.pop(req_id, None)
+
+    def __len__(self) -> int:
+        return len(self.rows) + len(self.drafted)
+
+
+class LengthEndings:
+    """How often finished requests ran to their ``max_tokens``: pacing
+    (``pace_batch``) assumes rows run to their bound, which holds in offline
+    runs with a token budget and not in chat serving, where requests end at
+    an end-of-sequence token long before theirs. An exponentially weighted
+    share of finished requests, starting at 1 (a fresh engine's first fixed
+    batch is paced); ``binding`` while at least half of recent requests ran
+    to their bound (with ``DECAY`` 0.75, three requests in a row ending
+    early turn pacing off; after a long run of early endings, three at
+    their bound turn it back on)."""
+
+    DECAY = 0.75
+
+    def __init__(self) -> None:
+        self.share = 1.0
+        self.finished = 0
+
+    def record(self, ran_to_bound: bool) -> None:
+        self.share = self.share * self.DECAY + (1.0 - self.DECAY) * float(ran_to_bound)
+        self.finished += 1
+
+    @property
+    def binding(self) -> bool:
+        return self.share >= 0.5
+
+
 def subset(draft, keep: np.ndarray):
     """The nodes of ``draft`` where ``keep`` (an ancestor-closed mask), with
     parents renumbered."""
@@ -313,7 +438,7 @@ def subset(draft, keep: np.ndarray):
 #: Plugin-wide keys of ``--speculative-config`` for batch-aware budgets.
 BATCH_BUDGET_KEY = "batch_budget"
 DISABLE_BY_BATCH_SIZE_KEY = "disable_by_batch_size"
-BATCH_BUDGET_MODES = ("auto", "off")
+BATCH_BUDGET_MODES = ("auto", "throughput", "off")
 
 
 def pop_batch_options(spec: dict) -> dict:
@@ -321,8 +446,11 @@ def pop_batch_options(spec: dict) -> dict:
 
     * ``"batch_budget"``: ``"auto"`` (default: when two or more requests
       decode, draft nodes are shared out across the batch by ``allocate_batch``
-      from the measured step cost) or ``"off"`` (every request keeps its
-      proposer's draft);
+      from the measured step cost; when nothing waits in the scheduler's
+      queue and recent requests ran to their ``max_tokens``, only the rows
+      that finish last draft: ``pace_batch``), ``"throughput"`` (always
+      ``allocate_batch``, as if requests were waiting) or ``"off"`` (every
+      request keeps its proposer's draft);
     * ``"disable_by_batch_size"``: no speculation at all in steps with at
       least this many decoding requests (default: none; the automatic budget
       already turns speculation off when it stops paying)."""

@@ -5,7 +5,7 @@ attention backend) it changes. ``install()`` (the ``vllm.general_plugins``
 entry point, run in every vLLM process) checks the version and that every
 patch target exists (``check_targets``: a missing one raises, naming it), and
 applies the process-0 and scheduler patches (engine arguments, cache_salt sent to
-the workers, request options checked); worker patches are applied when the runner
+the workers, request options checked, the queue length sent to the workers); worker patches are applied when the runner
 builds our drafter.
 """
 from __future__ import annotations
@@ -128,7 +128,16 @@ UPDATE_STATES_PATCH = Patch(
         "drafter in some steps)",
     args=("scheduler_output",))
 
-PATCHES = (ENGINE_ARGS_PATCH, NEW_REQUEST_SALT_PATCH, EXTRA_ARGS_PATCH, RUNNER_PATCH,
+SCHEDULE_PATCH = Patch(
+    name="Scheduler.schedule",
+    module="vllm.v1.core.sched.scheduler", cls="Scheduler", attr="schedule",
+    make=_lazy(".queue_state", "make_schedule"),
+    why="tell the workers how many requests wait in the queue: with none waiting, a "
+        "fixed batch takes as many steps as its slowest row and only the rows that "
+        "finish last draft (budget.pace_batch)")
+
+PATCHES = (ENGINE_ARGS_PATCH, NEW_REQUEST_SALT_PATCH, EXTRA_ARGS_PATCH, SCHEDULE_PATCH,
+           RUNNER_PATCH,
            REQUEST_REMOVED_PATCH, UPDATE_STATES_PATCH, AUX_HIDDEN_PATCH, SAMPLE_PATCH, CPU_EXPAND_PATCH,
            TREE_PREPARE_PATCH, CPU_TREE_BACKEND_PATCH,
            FLASH_TREE_BACKEND_PATCH)
@@ -146,6 +155,7 @@ def install() -> None:
     apply(ENGINE_ARGS_PATCH)
     apply(NEW_REQUEST_SALT_PATCH)
     apply(EXTRA_ARGS_PATCH)
+    apply(SCHEDULE_PATCH)
 
 
 def install_worker_patches() -> None:

@@ -27,16 +27,16 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ...budget import (SAVE_EVERY, AcceptanceCalibration, StepCostModel,
-                      allocate_batch_exploring, expected_accepted, load_prior, save_fit,
-                      subset)
+from ...budget import (SAVE_EVERY, AcceptanceCalibration, LengthEndings, RowPaces, StepCostModel,
+                      allocate_batch_exploring, expected_accepted, load_prior, pace_batch,
+                      save_fit, subset)
 from ... import faults, malloc_trim
 from ...config import ADDITIONAL_CONFIG_KEY, ISOLATION_KEY, build_proposer
 from ...proposers.base import Draft, start_request
 from ...tree import depths
 from ...warmup import enabled as warmup_enabled
 from ...warmup import warm_up
-from . import stats_export, tenancy
+from . import queue_state, stats_export, tenancy
 from .drafter_state import DrafterState
 from .step_state import StepTrees, bind_tree_layers
 
@@ -151,8 +151,20 @@ class SpecPlugDrafter(DrafterState):
         self._step_fault = False
         # batch-aware budget steps and the draft nodes they proposed and kept
         # (and draft nodes dropped because they lie past the request's max_tokens)
+        # (paced: steps with nothing waiting, where only the rows that finish
+        # last drafted; nodes_paced_off: nodes dropped from rows ahead of them)
         self.batch_stats = {"steps": 0, "disabled_steps": 0, "nodes_proposed": 0,
-                            "nodes_kept": 0, "nodes_explored": 0, "nodes_past_max_tokens": 0}
+                            "nodes_kept": 0, "nodes_explored": 0, "nodes_past_max_tokens": 0,
+                            "paced_steps": 0, "nodes_paced_off": 0}
+        # Requests waiting in the scheduler's queue after this step's
+        # scheduling (queue_state; None: not known), how often finished
+        # requests ran to their max_tokens, and each decoding request's
+        # tokens still allowed at its last step (for that count): pacing
+        # (budget.pace_batch) when nothing waits and requests run to their bound
+        self._waiting: int | None = None
+        self.length_endings = LengthEndings()
+        self._remaining: dict[str, int] = {}
+        self.paces = RowPaces()
         # draft nodes that may still be explored (EXPLORE_SHARE of step time)
         self._explore_nodes = 0.0
         # the drafter's own time (proposing, budgets, rank agreement): calls,
@@ -284,15 +296,26 @@ class SpecPlugDrafter(DrafterState):
             self.batch_stats["disabled_steps"] += 1
         disabled = disabled or step_fault
         proposed: list[Draft] = []
+        remaining: list[int | None] = []
         live = set()
         for row, sampled in enumerate(sampled_token_ids):
             req_id = req_ids[row]
             live.add(req_id)
-            # partial prefill or discarded row; a request that faulted
+            remaining.append(None)
+            # partial prefill or discarded row; a request that faulted (it
+            # still decodes: pacing counts its tokens still to generate)
             if not sampled or req_id in self.containment:
+                if sampled:
+                    try:
+                        remaining[row] = self._tokens_left(req_id, int(num_tokens_no_spec[row]))
+                    except Exception:  # noqa: BLE001 - its fault was counted; pacing only
+                        pass
                 proposed.append(Draft.empty())
                 continue
             try:
+                left = self._tokens_left(req_id, int(num_tokens_no_spec[row]))
+                if left is not None:
+                    remaining[row] = self._remaining[req_id] = left
                 proposed.append(self._propose_row(req_id, row, int(num_tokens_no_spec[row]),
                                                   token_ids_cpu, pending.get(req_id),
                                                   draft=not disabled))
@@ -304,7 +327,7 @@ class SpecPlugDrafter(DrafterState):
             self._forget(req_id)
         self._step_req_ids = req_ids
         try:
-            proposed = self._fit_to_batch(proposed, decoding)
+            proposed = self._fit_to_batch(proposed, decoding, remaining)
         except Exception as e:  # noqa: BLE001 - a shared step: no drafts this step
             self.containment.shared_fault("budget", e)
             proposed = [self._cut(req_ids[row], d, Draft.empty()) if len(d) else d
@@ -312,6 +335,7 @@ class SpecPlugDrafter(DrafterState):
         drafts: list[list[int]] = []
         for row, draft in enumerate(proposed):
             self._remember_tree(req_ids[row], draft)
+            self.paces.draft(req_ids[row], len(draft))
             drafts.append(draft.tokens.tolist())
         drafts = self._agree_across_ranks(req_ids[: len(drafts)], drafts)
         if self._last_step is not None:
@@ -378,6 +402,7 @@ class SpecPlugDrafter(DrafterState):
                 and int(token_ids_cpu[row, seen[0] - 1]) == seen[1]):
             if n > seen[0]:  # the last step committed n - seen[0] tokens (one not drafted)
                 self.calibration.settle(req_id, n - seen[0] - 1)
+                self.paces.committed(req_id, n - seen[0])
             if n > seen[0] or topk is not None:
                 self._hook = "observe"
                 self.proposer.observe(req_id, token_ids_cpu[row, seen[0]:n].tolist(), topk)
@@ -423,33 +448,58 @@ class SpecPlugDrafter(DrafterState):
         vLLM's scheduler caps drafts at max_model_len, not at max_tokens, so
         without this the last step of a well-predicted request verifies (and
         counts as accepted) tokens the output then drops."""
-        if self.runner is None:  # a drafter driven without vLLM's runner (unit tests)
-            return self.k
+        left = self._tokens_left(req_id, n)
+        return self.k if left is None else left
+
+    def _tokens_left(self, req_id: str, n: int) -> int | None:
+        """How many more tokens the request may commit after this step's
+        own, ``max_tokens - generated - 1``; None without a bound (or
+        without vLLM's runner: unit tests)."""
+        if self.runner is None:
+            return None
         state = self.runner.requests[req_id]
         params = state.sampling_params
         if params is None or params.max_tokens is None:
-            return self.k
+            return None
         return max(params.max_tokens - (n - state.num_prompt_tokens) - 1, 0)
 
-    def _fit_to_batch(self, drafts: list[Draft], decoding: int) -> list[Draft]:
+    def _fit_to_batch(self, drafts: list[Draft], decoding: int,
+                      remaining: Sequence[int | None] | None = None) -> list[Draft]:
         """Batch-aware budgets (``disable_by_batch_size`` is applied before
-        proposing, in ``propose``): with ``batch_budget`` "auto" and two or more
-        decoding requests, the batch's nodes are shared out by expected
-        tokens per second (``budget.allocate_batch``)."""
+        proposing, in ``propose``): with ``batch_budget`` "auto" or
+        "throughput" and two or more decoding requests, the batch's nodes are
+        shared out by expected tokens per second (``budget.allocate_batch``).
+        With "auto", when nothing waits in the scheduler's queue and recent
+        requests ran to their ``max_tokens``, only the rows that finish last
+        draft (``budget.pace_batch``)."""
         proposed = sum(len(d) for d in drafts)
         if not proposed:   # nothing drafted (disable_by_batch_size: see propose)
             return drafts
         stats = self.batch_stats
-        if self.plugin.get("batch_budget", "auto") != "auto" or decoding < 2:
+        mode = self.plugin.get("batch_budget", "auto")
+        if mode == "off" or decoding < 2:
             return drafts
         a, b = self.step_cost.fit()
         # nodes EXPLORE_SHARE of this step's time buys (a unitless count, so
         # the carried credit survives the cost fit's change of scale)
         share = EXPLORE_SHARE * (a / b + decoding) if b > 0 else float(proposed)
         self._explore_nodes = min(self._explore_nodes + share, EXPLORE_CARRY * share)
-        out, explored = allocate_batch_exploring(drafts, a, b, decoding,
-                                                 scale=self.calibration.ratio,
-                                                 explore=int(self._explore_nodes))
+        pace = (mode == "auto" and self._waiting == 0 and self.length_endings.binding
+                and remaining is not None
+                and all(r is not None for r, d in zip(remaining, drafts) if len(d)))
+        if pace:
+            req_ids = self._step_req_ids
+            pace = [self.paces.pace(req_ids[row]) for row in range(len(drafts))]
+            out, explored, dropped = pace_batch(drafts, remaining, pace, a, b, decoding,
+                                                scale=self.calibration.ratio,
+                                                explore=int(self._explore_nodes),
+                                                margin=float(self.k))
+            stats["paced_steps"] += 1
+            stats["nodes_paced_off"] += dropped
+        else:
+            out, explored = allocate_batch_exploring(drafts, a, b, decoding,
+                                                     scale=self.calibration.ratio,
+                                                     explore=int(self._explore_nodes))
         self._explore_nodes -= explored
         stats["steps"] += 1
         stats["nodes_explored"] += explored
@@ -483,13 +533,20 @@ class SpecPlugDrafter(DrafterState):
 
     def note_scheduler_output(self, scheduler_output: Any) -> None:
         """Called by the runner patch at the start of every step: keep the
-        ``cache_salt`` of the step's new requests (``tenancy``)."""
+        ``cache_salt`` of the step's new requests (``tenancy``) and the
+        number of requests waiting in the scheduler's queue (``queue_state``)."""
         tenancy.note_new_requests(scheduler_output, self._salts)
+        self._waiting = queue_state.waiting_of(scheduler_output)
 
     def finish_request(self, req_id: str) -> None:
         """The request finished or was aborted (runner hook; preempted requests
         only leave the batch and are freed by ``_forget``)."""
         self._salts.pop(req_id, None)
+        left = self._remaining.pop(req_id, None)
+        if left is not None:
+            # it could reach its max_tokens in its last step only from within
+            # one draft's length of it
+            self.length_endings.record(left <= self.k)
         if self.containment.finished(req_id):
             # its state was freed at the fault; complete() lets the proposer
             # drop what it keeps past a finish (sam: the prompt length)
@@ -524,6 +581,8 @@ class SpecPlugDrafter(DrafterState):
 
     def _forget(self, req_id: str, finished: bool = False) -> None:
         self._seen.pop(req_id, None)
+        self._remaining.pop(req_id, None)
+        self.paces.forget(req_id)
         self.trees.pop(req_id, None)
         self.calibration.forget(req_id)
         try:
@@ -544,6 +603,8 @@ class SpecPlugDrafter(DrafterState):
         hook, self._hook = self._hook or "adapter", ""
         self.containment.request_fault(req_id, hook, error, finished)
         self._seen.pop(req_id, None)
+        self._remaining.pop(req_id, None)
+        self.paces.forget(req_id)
         self.trees.pop(req_id, None)
         self.calibration.forget(req_id)
         if hook != "finish":
@@ -563,6 +624,11 @@ class SpecPlugDrafter(DrafterState):
                "batch_budget": dict(self.batch_stats),
                "propose_time": dict(self.propose_time),
                "calibration": self.calibration.stats(),
+               "pacing": {"waiting": self._waiting,
+                          "ran_to_max_tokens_share": round(self.length_endings.share, 4),
+                          "finished": self.length_endings.finished,
+                          "binding": self.length_endings.binding,
+                          "overall_pace": round(self.paces.overall, 4)},
                "step_cost": {"samples": self.step_cost.samples, "a_s": float(a),
                              "from_cache": self.step_cost_from_cache,
                              "b_s": float(b), "relative_token_cost":
@@ -570,6 +636,8 @@ class SpecPlugDrafter(DrafterState):
         out["proposer"] = self.proposer.debug_stats()
         # entries of each structure that grows with traffic (docs/architecture.md, "Bounds")
         out["sizes"] = {"drafter_requests": len(self._seen), "drafter_trees": len(self.trees),
+                        "drafter_remaining": len(self._remaining),
+                        "drafter_paces": len(self.paces),
                         "calibration_pending": len(self.calibration.pending),
                         "pending_topk": len(self.pending_topk),
                         **self.proposer.structure_sizes()}
