@@ -343,7 +343,8 @@ def test_pace_batch_drafts_only_rows_that_must_and_is_optimal_for_them(rows_valu
     remaining, pace = left[: len(drafts)], pace[: len(drafts)]
     eligible = must_draft(remaining, pace, 0.0).tolist()
     rows = len(drafts)
-    got, explored, dropped = pace_batch(drafts, remaining, pace, 1.0, ratio, rows)
+    got, explored, dropped, mask = pace_batch(drafts, remaining, pace, 1.0, ratio, rows)
+    assert mask.tolist() == eligible
     assert explored == 0
     assert dropped == sum(len(d) for d, e in zip(drafts, eligible) if not e)
     for d, g, e in zip(drafts, got, eligible):
@@ -370,7 +371,7 @@ def test_a_lone_slowest_row_drafts_as_a_batch_of_one_would():
     remaining, pace = [30] * 7 + [41], [2.0] * 7 + [1.1]
     thr = allocate_batch(drafts, a, b, rows)
     assert [len(d) for d in thr] == [1] * 7 + [0]
-    paced, _, dropped = pace_batch(drafts, remaining, pace, a, b, rows, margin=4)
+    paced, _, dropped, _ = pace_batch(drafts, remaining, pace, a, b, rows, margin=4)
     assert [len(d) for d in paced] == [0] * 7 + [1]
     assert dropped == 7
 
@@ -382,24 +383,30 @@ def test_rows_that_would_overtake_the_slowest_keep_drafting():
     from vllm_specplug.budget import pace_batch
 
     drafts = [chain([0.9] * 8)] * 4
-    paced, _, dropped = pace_batch(drafts, [64, 60, 56, 40], [9.0] * 4, 1.0, 0.01, 4)
+    paced, _, dropped, _ = pace_batch(drafts, [64, 60, 56, 40], [9.0] * 4, 1.0, 0.01, 4)
     assert [len(d) for d in paced] == [8] * 4 and dropped == 0
 
 
-def test_row_paces_count_only_drafted_steps():
+def test_row_paces_count_only_steps_allowed_to_draft():
     from vllm_specplug.budget import RowPaces
 
     p = RowPaces()
     assert p.pace("a") == RowPaces.PRIOR
-    p.committed("a", 1)                  # no draft verified: not counted
+    p.committed("a", 1)                  # not allowed to draft (paced off): not counted
     assert p.pace("a") == RowPaces.PRIOR
-    p.draft("a", 4)
+    p.allow("a", True)
     p.committed("a", 5)
     assert p.pace("a") == pytest.approx(2.0 * 0.75 + 5 * 0.25)
     assert p.overall == pytest.approx(2.0 * 0.98 + 5 * 0.02)
-    p.committed("a", 1)                  # the draft was counted once
+    p.committed("a", 1)                  # the allowed step was counted once
     assert p.pace("a") == pytest.approx(2.75)
-    p.draft("b", 2)
+    p.allow("a", True)                   # allowed, nothing to draft: one token counts
+    p.committed("a", 1)
+    assert p.pace("a") == pytest.approx(2.75 * 0.75 + 0.25)
+    p.allow("a", False)
+    p.committed("a", 9)
+    assert p.pace("a") == pytest.approx(2.75 * 0.75 + 0.25)
+    p.allow("b", True)
     assert len(p) == 2
     p.forget("a")
     p.forget("b")
@@ -468,7 +475,7 @@ def test_drafter_paces_fixed_batches(patch_calls, mode, waiting, paced):
     assert (s["batch_budget"]["nodes_paced_off"] > 0) == paced
     assert s["pacing"]["waiting"] == waiting
     assert s["sizes"]["drafter_remaining"] == 2
-    assert s["sizes"]["drafter_paces"] == 2 - int(paced)   # rows that drafted
+    assert s["sizes"]["drafter_paces"] == 2 - int(paced)   # rows allowed to draft
 
 
 def test_drafter_stops_pacing_when_requests_end_before_max_tokens(patch_calls):

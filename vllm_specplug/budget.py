@@ -324,7 +324,7 @@ def must_draft(remaining: Sequence[int | None], pace: Sequence[float],
 
 def pace_batch(drafts: list, remaining: Sequence[int | None], pace: Sequence[float],
                a: float, b: float, rows: int, scale: float = 1.0, explore: int = 0,
-               margin: float = 0.0) -> tuple[list, int, int]:
+               margin: float = 0.0) -> tuple[list, int, int, np.ndarray | None]:
     """Batch budgets when nothing is waiting to take a finished row's slot
     (a fixed batch, such as one ``LLM.generate`` call; the tail of any
     offline run): the batch then takes as many steps as its slowest row, and
@@ -334,12 +334,12 @@ def pace_batch(drafts: list, remaining: Sequence[int | None], pace: Sequence[flo
     their nodes chosen as in ``allocate_batch`` with only their tokens
     counted as output (a lone slowest row drafts about as much as a batch of
     one would). Returns (drafts, nodes explored, nodes dropped from the
-    other rows)."""
+    other rows, the rows that may draft)."""
     from .proposers.base import Draft
 
     eligible = must_draft(remaining, pace, margin)
     if eligible is None:
-        return drafts, 0, 0
+        return drafts, 0, 0, None
     out, explored = allocate_batch_exploring(drafts, a, b, rows, scale, explore,
                                              eligible=eligible)
     dropped = 0
@@ -347,15 +347,17 @@ def pace_batch(drafts: list, remaining: Sequence[int | None], pace: Sequence[flo
         if not eligible[i] and len(d):
             dropped += len(d)
             out[i] = Draft.empty()
-    return out, explored, dropped
+    return out, explored, dropped, eligible
 
 
 class RowPaces:
-    """Each decoding request's tokens committed per step in the steps it
-    drafted (``pace_batch``'s ``pace``), exponentially weighted; a request
-    not yet measured gets the weighted mean of all requests' (starting at
-    ``PRIOR``, optimistic, so an unmeasured row is not thought slower than
-    it is). One entry per live request (``forget`` when it leaves)."""
+    """Each decoding request's tokens committed per step in the steps it was
+    allowed to draft (``pace_batch``'s ``pace``; a row with nothing to draft
+    counts, at one token a step: it cannot be sped up), exponentially
+    weighted; a request not yet measured gets the weighted mean of all
+    requests' (starting at ``PRIOR``, optimistic, so an unmeasured row is
+    not thought slower than it is). One entry per live request (``forget``
+    when it leaves)."""
 
     DECAY = 0.75
     OVERALL_DECAY = 0.98
@@ -363,32 +365,35 @@ class RowPaces:
 
     def __init__(self) -> None:
         self.rows: dict[str, float] = {}
-        self.drafted: dict[str, int] = {}
+        self.allowed: set[str] = set()
         self.overall = self.PRIOR
 
     def pace(self, req_id: str) -> float:
         return self.rows.get(req_id, self.overall)
 
     def committed(self, req_id: str, tokens: int) -> None:
-        """The request's last step committed ``tokens``: counted when that
-        step verified a draft of it."""
-        if not self.drafted.pop(req_id, 0):
+        """The request's last step committed ``tokens``: counted when it was
+        allowed to draft in that step."""
+        if req_id not in self.allowed:
             return
+        self.allowed.discard(req_id)
         self.rows[req_id] = self.pace(req_id) * self.DECAY + (1 - self.DECAY) * tokens
         self.overall = self.overall * self.OVERALL_DECAY + (1 - self.OVERALL_DECAY) * tokens
 
-    def draft(self, req_id: str, nodes: int) -> None:
-        if nodes:
-            self.drafted[req_id] = nodes
+    def allow(self, req_id: str, allowed: bool) -> None:
+        """Whether the request may draft this step (not paced off, not
+        disabled): its next ``committed`` counts then."""
+        if allowed:
+            self.allowed.add(req_id)
         else:
-            self.drafted.pop(req_id, None)
+            self.allowed.discard(req_id)
 
     def forget(self, req_id: str) -> None:
         self.rows.pop(req_id, None)
-        self.drafted.pop(req_id, None)
+        self.allowed.discard(req_id)
 
     def __len__(self) -> int:
-        return len(self.rows) + len(self.drafted)
+        return len(self.rows) + len(self.allowed)
 
 
 class LengthEndings:

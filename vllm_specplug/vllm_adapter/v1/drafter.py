@@ -49,6 +49,13 @@ logger = logging.getLogger("vllm_specplug")
 # EXPLORE_CARRY steps.
 EXPLORE_SHARE = 0.05
 EXPLORE_CARRY = 16
+# Pacing (budget.pace_batch): a row drafts when, at one token a step, it
+# would finish within this many tokens of the batch's predicted end. Small:
+# the end is predicted again every step, so a row that stopped too early
+# drafts again as the end comes near it. (The draft length, tried first,
+# let every row of a 16-row batch at 96 tokens draft to the end: nothing
+# was paced off, pipeline, 2026-12-05.)
+PACE_MARGIN_TOKENS = 2.0
 
 
 def step_cost_cache_path(vllm_config: Any) -> Path | None:
@@ -165,6 +172,7 @@ class SpecPlugDrafter(DrafterState):
         self.length_endings = LengthEndings()
         self._remaining: dict[str, int] = {}
         self.paces = RowPaces()
+        self._paced_off: np.ndarray | None = None
         # draft nodes that may still be explored (EXPLORE_SHARE of step time)
         self._explore_nodes = 0.0
         # the drafter's own time (proposing, budgets, rank agreement): calls,
@@ -326,6 +334,7 @@ class SpecPlugDrafter(DrafterState):
             self._preempted.add(req_id)
             self._forget(req_id)
         self._step_req_ids = req_ids
+        self._paced_off = None
         try:
             proposed = self._fit_to_batch(proposed, decoding, remaining)
         except Exception as e:  # noqa: BLE001 - a shared step: no drafts this step
@@ -335,7 +344,9 @@ class SpecPlugDrafter(DrafterState):
         drafts: list[list[int]] = []
         for row, draft in enumerate(proposed):
             self._remember_tree(req_ids[row], draft)
-            self.paces.draft(req_ids[row], len(draft))
+            # a row's pace counts the steps it was allowed to draft
+            self.paces.allow(req_ids[row], bool(sampled_token_ids[row]) and not disabled
+                             and (self._paced_off is None or not self._paced_off[row]))
             drafts.append(draft.tokens.tolist())
         drafts = self._agree_across_ranks(req_ids[: len(drafts)], drafts)
         if self._last_step is not None:
@@ -490,10 +501,11 @@ class SpecPlugDrafter(DrafterState):
         if pace:
             req_ids = self._step_req_ids
             pace = [self.paces.pace(req_ids[row]) for row in range(len(drafts))]
-            out, explored, dropped = pace_batch(drafts, remaining, pace, a, b, decoding,
-                                                scale=self.calibration.ratio,
-                                                explore=int(self._explore_nodes),
-                                                margin=float(self.k))
+            out, explored, dropped, eligible = pace_batch(
+                drafts, remaining, pace, a, b, decoding, scale=self.calibration.ratio,
+                explore=int(self._explore_nodes), margin=PACE_MARGIN_TOKENS)
+            if eligible is not None:
+                self._paced_off = ~eligible
             stats["paced_steps"] += 1
             stats["nodes_paced_off"] += dropped
         else:
