@@ -452,11 +452,11 @@ def _scheduler_output(req_ids, waiting):
 
 
 @pytest.mark.parametrize("mode, waiting, paced", [
-    ("auto", 0, True), ("auto", 1, False), ("auto", None, False), ("throughput", 0, False)])
+    ("pace", 0, True), ("pace", 1, False), ("pace", None, False), ("auto", 0, False)])
 def test_drafter_paces_fixed_batches(patch_calls, mode, waiting, paced):
     """With nothing waiting in the scheduler's queue, the row with more
     tokens still to generate drafts and the row ahead of it does not; with a
-    request waiting, an unknown queue or "throughput", both draft."""
+    request waiting, an unknown queue or the default "auto", both draft."""
     d = _drafter({"method": "sam", "num_speculative_tokens": 4, "sam_min_accept_prob": 0.0,
                   "batch_budget": mode})
     # verified tokens nearly free: the throughput rule keeps both drafts
@@ -481,7 +481,8 @@ def test_drafter_paces_fixed_batches(patch_calls, mode, waiting, paced):
 def test_drafter_stops_pacing_when_requests_end_before_max_tokens(patch_calls):
     """Requests that finish far from their max_tokens (an end-of-sequence
     token) turn pacing off; requests run to it turn it back on."""
-    d = _drafter({"method": "sam", "num_speculative_tokens": 4, "sam_min_accept_prob": 0.0})
+    d = _drafter({"method": "sam", "num_speculative_tokens": 4, "sam_min_accept_prob": 0.0,
+                  "batch_budget": "pace"})
     d.step_cost = type(d.step_cost)(prior_a=1.0, prior_b=1e-4, prior_weight=1e9)
     hists = [[1, 2, 3, 1, 2], [7, 8, 7, 8]]
 

@@ -176,7 +176,7 @@ def test_disable_by_batch_size_bounds(limit, ok):
 
 def test_bad_batch_budget_mode_lists_the_modes():
     with pytest.raises(SpecPlugConfigError,
-                       match=r"must be one of 'auto', 'throughput', 'off', got 'on'$"):
+                       match=r"must be one of 'auto', 'pace', 'off', got 'on'$"):
         pop_batch_options({"batch_budget": "on"})
 
 

@@ -45,13 +45,7 @@ def test_sam_greedy_is_token_identical_to_plain_in_a_batch(get_llm, lossless_pro
 def test_sam_metrics_and_tau_on_repetitive_categories(get_llm, spec_bench_prompts, category):
     llm = get_llm("sam", SAM)
     prompts = [r["prompt"] for r in pick(spec_bench_prompts, [category], 4)]
-    # every row may draft (pacing, which lets only the slowest rows of a
-    # fixed batch draft, is checked in test_sam_paces_a_fixed_batch)
-    llm.llm_engine.collective_rpc(_set_batch_budget, args=("throughput",))
-    try:
-        tau, delta, outs = tau_of(llm, lambda: chat(llm, prompts, max_tokens=64))
-    finally:
-        llm.llm_engine.collective_rpc(_set_batch_budget, args=("auto",))
+    tau, delta, outs = tau_of(llm, lambda: chat(llm, prompts, max_tokens=64))
     # vLLM's own spec-decode counters are populated by our method.
     assert delta["drafts"] > 0
     assert delta["draft_tokens"] >= delta["drafts"]
@@ -73,9 +67,9 @@ def _set_batch_budget(worker, mode):
 def test_sam_paces_a_fixed_batch(get_llm, spec_bench_prompts):
     """One chat call is a fixed batch: the scheduler's queue length reaches
     the worker (the Scheduler.schedule patch, in the engine core's process)
-    as 0, so the default budget lets only the rows with the most tokens left
-    draft (budget.pace_batch); outputs stay plain decoding's, and the
-    slowest rows' drafts are still accepted."""
+    as 0, so the experimental "pace" budget lets only the rows that must
+    draft to finish with the batch draft (budget.pace_batch); outputs stay
+    plain decoding's, and those rows' drafts are still accepted."""
     from helpers import assert_same_tokens
 
     # categories no other test sends this engine (its global store holds
@@ -85,7 +79,11 @@ def test_sam_paces_a_fixed_batch(get_llm, spec_bench_prompts):
     plain = chat(get_llm("plain"), prompts, max_tokens=64)
     llm = get_llm("sam", SAM)
     before = llm.llm_engine.collective_rpc(_drafter_stats)[0]
-    tau, delta, outs = tau_of(llm, lambda: chat(llm, prompts, max_tokens=64))
+    llm.llm_engine.collective_rpc(_set_batch_budget, args=("pace",))
+    try:
+        tau, delta, outs = tau_of(llm, lambda: chat(llm, prompts, max_tokens=64))
+    finally:
+        llm.llm_engine.collective_rpc(_set_batch_budget, args=("auto",))
     after = llm.llm_engine.collective_rpc(_drafter_stats)[0]
     assert_same_tokens(plain, outs)
     assert after["pacing"]["waiting"] == 0, after["pacing"]

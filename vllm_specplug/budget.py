@@ -443,7 +443,7 @@ def subset(draft, keep: np.ndarray):
 #: Plugin-wide keys of ``--speculative-config`` for batch-aware budgets.
 BATCH_BUDGET_KEY = "batch_budget"
 DISABLE_BY_BATCH_SIZE_KEY = "disable_by_batch_size"
-BATCH_BUDGET_MODES = ("auto", "throughput", "off")
+BATCH_BUDGET_MODES = ("auto", "pace", "off")
 
 
 def pop_batch_options(spec: dict) -> dict:
@@ -451,11 +451,12 @@ def pop_batch_options(spec: dict) -> dict:
 
     * ``"batch_budget"``: ``"auto"`` (default: when two or more requests
       decode, draft nodes are shared out across the batch by ``allocate_batch``
-      from the measured step cost; when nothing waits in the scheduler's
-      queue and recent requests ran to their ``max_tokens``, only the rows
-      that finish last draft: ``pace_batch``), ``"throughput"`` (always
-      ``allocate_batch``, as if requests were waiting) or ``"off"`` (every
-      request keeps its proposer's draft);
+      from the measured step cost), ``"pace"`` (experimental: as "auto", but
+      when nothing waits in the scheduler's queue and recent requests ran to
+      their ``max_tokens``, only the rows that must draft to finish with the
+      batch draft: ``pace_batch``; measured no faster, see
+      docs/architecture.md) or ``"off"`` (every request keeps its
+      proposer's draft);
     * ``"disable_by_batch_size"``: no speculation at all in steps with at
       least this many decoding requests (default: none; the automatic budget
       already turns speculation off when it stops paying)."""

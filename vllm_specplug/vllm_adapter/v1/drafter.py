@@ -480,9 +480,9 @@ class SpecPlugDrafter(DrafterState):
         proposing, in ``propose``): with ``batch_budget`` "auto" or
         "throughput" and two or more decoding requests, the batch's nodes are
         shared out by expected tokens per second (``budget.allocate_batch``).
-        With "auto", when nothing waits in the scheduler's queue and recent
-        requests ran to their ``max_tokens``, only the rows that finish last
-        draft (``budget.pace_batch``)."""
+        With "pace" (experimental), when nothing waits in the scheduler's
+        queue and recent requests ran to their ``max_tokens``, only the rows
+        that must draft to finish with the batch draft (``budget.pace_batch``)."""
         proposed = sum(len(d) for d in drafts)
         if not proposed:   # nothing drafted (disable_by_batch_size: see propose)
             return drafts
@@ -495,7 +495,7 @@ class SpecPlugDrafter(DrafterState):
         # the carried credit survives the cost fit's change of scale)
         share = EXPLORE_SHARE * (a / b + decoding) if b > 0 else float(proposed)
         self._explore_nodes = min(self._explore_nodes + share, EXPLORE_CARRY * share)
-        pace = (mode == "auto" and self._waiting == 0 and self.length_endings.binding
+        pace = (mode == "pace" and self._waiting == 0 and self.length_endings.binding
                 and remaining is not None
                 and all(r is not None for r, d in zip(remaining, drafts) if len(d)))
         if pace:
