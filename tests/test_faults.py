@@ -124,6 +124,8 @@ def test_a_faulting_hook_costs_only_its_requests_drafts(method, hook, monkeypatc
     assert keeps_drafting(after), after
     assert fault.calls_after == 0          # never fed again
     assert "b" not in d._seen and d.stats()["faults"]["requests_without_drafts"] == 1
+    # while it decodes without drafts, no per-request drafter state is kept for it
+    assert "b" not in d.paces.rows and "b" not in d.paces.allowed and "b" not in d._remaining
     assert_one_request_fault(d, caplog, hook)
     # it finishes: forgotten, the proposer not called for it
     d.finish_request("b")

@@ -346,6 +346,7 @@ class SpecPlugDrafter(DrafterState):
             self._remember_tree(req_ids[row], draft)
             # a row's pace counts the steps it was allowed to draft
             self.paces.allow(req_ids[row], bool(sampled_token_ids[row]) and not disabled
+                             and req_ids[row] not in self.containment
                              and (self._paced_off is None or not self._paced_off[row]))
             drafts.append(draft.tokens.tolist())
         drafts = self._agree_across_ranks(req_ids[: len(drafts)], drafts)
@@ -554,6 +555,7 @@ class SpecPlugDrafter(DrafterState):
         """The request finished or was aborted (runner hook; preempted requests
         only leave the batch and are freed by ``_forget``)."""
         self._salts.pop(req_id, None)
+        self.paces.forget(req_id)
         left = self._remaining.pop(req_id, None)
         if left is not None:
             # it could reach its max_tokens in its last step only from within
