@@ -478,10 +478,10 @@ class SpecPlugDrafter(DrafterState):
     def _fit_to_batch(self, drafts: list[Draft], decoding: int,
                       remaining: Sequence[int | None] | None = None) -> list[Draft]:
         """Batch-aware budgets (``disable_by_batch_size`` is applied before
-        proposing, in ``propose``): with ``batch_budget`` "auto" or
-        "throughput" and two or more decoding requests, the batch's nodes are
-        shared out by expected tokens per second (``budget.allocate_batch``).
-        With "pace" (experimental), when nothing waits in the scheduler's
+        proposing, in ``propose``): with ``batch_budget`` "auto" (or "pace")
+        and two or more decoding requests, the batch's nodes are shared out
+        by expected tokens per second (``budget.allocate_batch``). With
+        "pace" (experimental), when nothing waits in the scheduler's
         queue and recent requests ran to their ``max_tokens``, only the rows
         that must draft to finish with the batch draft (``budget.pace_batch``)."""
         proposed = sum(len(d) for d in drafts)
