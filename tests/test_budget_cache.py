@@ -54,6 +54,9 @@ def test_drafter_saves_and_next_drafter_starts_from_cache(tmp_path, monkeypatch)
     assert path.parent == tmp_path / "step_cost"
     assert path != step_cost_cache_path(config(model="other"))
     assert path != step_cost_cache_path(config(tp=2))
+    # tree verification's tokens cost more: its fit never primes a chain engine
+    assert path != step_cost_cache_path(config(), tree=True)
+    assert step_cost_cache_path(config(), tree=False) == path
     d = SpecPlugDrafter(config())
     assert not d.step_cost_from_cache
     d.step_cost = fitted(n=SAVE_EVERY - 1)

@@ -58,9 +58,11 @@ EXPLORE_CARRY = 16
 PACE_MARGIN_TOKENS = 2.0
 
 
-def step_cost_cache_path(vllm_config: Any) -> Path | None:
+def step_cost_cache_path(vllm_config: Any, tree: bool = False) -> Path | None:
     """Where this engine's step-cost fit is cached: one file per machine
-    (CPU or GPU name), model, dtype and parallel layout, in
+    (CPU or GPU name), model, dtype, parallel layout and verification path
+    (``tree``: drafts verified through our tree attention, whose tokens
+    cost more than a chain's in vLLM's own kernel), in
     ``<cache root>/step_cost``, or in the folder ``VLLM_SPECPLUG_STEP_COST_CACHE``
     names (the tests use a temporary one). None when disabled with
     ``VLLM_SPECPLUG_STEP_COST_CACHE=0``."""
@@ -79,6 +81,8 @@ def step_cost_cache_path(vllm_config: Any) -> Path | None:
     mc, pc = vllm_config.model_config, vllm_config.parallel_config
     key = "|".join(str(x) for x in (
         device, mc.model, mc.dtype, pc.tensor_parallel_size, pc.pipeline_parallel_size))
+    if tree:  # chain engines keep the keys they had
+        key += "|tree"
     folder = cache_root() / "step_cost" if setting == "1" else Path(setting)
     return folder / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
 
@@ -189,7 +193,8 @@ class SpecPlugDrafter(DrafterState):
         # in load_model (no module-level state: two engines never share one).
         self.step = StepTrees()
         # Step cost against tokens verified, from consecutive decode steps.
-        self._cost_cache = step_cost_cache_path(vllm_config)
+        self._cost_cache = step_cost_cache_path(
+            vllm_config, tree=bool(self.proposer.drafts_trees or self.route_chains))
         cached = load_prior(self._cost_cache) if self._cost_cache else None
         self.step_cost = cached or StepCostModel()
         self.step_cost_from_cache = cached is not None
