@@ -139,7 +139,7 @@ def test_a_faulting_draft_cut_costs_only_its_requests_drafts(method, monkeypatch
     d = make(method)
     drv = Driver(d)
     # max_tokens leaves room for 2 draft tokens: every draft is cut
-    monkeypatch.setattr(d, "_room", lambda req_id, n: 2)
+    monkeypatch.setattr(d, "_tokens_left", lambda req_id, n: 2)
     fault = Fault(monkeypatch, d.proposer, "draft_cut")
     before = [drv.step() for _ in range(3)]
     assert any(s["b"] for s in before), before

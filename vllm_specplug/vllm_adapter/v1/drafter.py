@@ -326,12 +326,13 @@ class SpecPlugDrafter(DrafterState):
                 proposed.append(Draft.empty())
                 continue
             try:
+                self._hook = "adapter"
                 left = self._tokens_left(req_id, int(num_tokens_no_spec[row]))
                 if left is not None:
                     remaining[row] = self._remaining[req_id] = left
                 proposed.append(self._propose_row(req_id, row, int(num_tokens_no_spec[row]),
                                                   token_ids_cpu, pending.get(req_id),
-                                                  draft=not disabled))
+                                                  draft=not disabled, left=left))
             except Exception as e:  # noqa: BLE001 - one request's fault stays its own
                 self._request_fault(req_id, e)
                 proposed.append(Draft.empty())
@@ -410,9 +411,10 @@ class SpecPlugDrafter(DrafterState):
         self._last_step = (key, 0, now) if decoding else None
 
     def _propose_row(self, req_id: str, row: int, n: int, token_ids_cpu,
-                     topk=None, draft: bool = True) -> Draft:
+                     topk=None, draft: bool = True, left: int | None = None) -> Draft:
         """The proposer follows the row's newly committed tokens (or starts
-        the request), then drafts (when ``draft``), within max_tokens."""
+        the request), then drafts (when ``draft``), within max_tokens
+        (``left``, ``_tokens_left``; None: no bound)."""
         self._hook = "adapter"
         seen = self._seen.get(req_id)
         if (seen is not None and seen[0] <= n
@@ -444,7 +446,7 @@ class SpecPlugDrafter(DrafterState):
         if len(draft) > self.k:  # a prefix of a topological order keeps parents
             draft = subset(draft, np.arange(len(draft)) < self.k)
         if len(draft):
-            room = self._room(req_id, n)
+            room = self.k if left is None else left
             if room < self.k:
                 # a chain keeps its first ``room`` tokens, a tree its nodes at
                 # depth <= room (ancestors are shallower: it stays a tree)
@@ -458,20 +460,17 @@ class SpecPlugDrafter(DrafterState):
                     draft = kept
         return draft
 
-    def _room(self, req_id: str, n: int) -> int:
-        """The deepest draft position that can still be committed: a request
-        with ``max_tokens`` m and g tokens generated commits at most m - g
-        more, the last of them the step's own (bonus or recovered) token.
-        vLLM's scheduler caps drafts at max_model_len, not at max_tokens, so
-        without this the last step of a well-predicted request verifies (and
-        counts as accepted) tokens the output then drops."""
-        left = self._tokens_left(req_id, n)
-        return self.k if left is None else left
-
     def _tokens_left(self, req_id: str, n: int) -> int | None:
         """How many more tokens the request may commit after this step's
-        own, ``max_tokens - generated - 1``; None without a bound (or
-        without vLLM's runner: unit tests)."""
+        own, ``max_tokens - generated - 1``: the deepest draft position that
+        can still be committed (a request with ``max_tokens`` m and g tokens
+        generated commits at most m - g more, the last of them the step's
+        own bonus or recovered token), and pacing's tokens still to
+        generate. None without a bound (or without vLLM's runner: unit
+        tests). vLLM's scheduler caps drafts at max_model_len, not at
+        max_tokens, so without this cut the last step of a well-predicted
+        request verifies (and counts as accepted) tokens the output then
+        drops."""
         if self.runner is None:
             return None
         state = self.runner.requests[req_id]
@@ -501,10 +500,10 @@ class SpecPlugDrafter(DrafterState):
         # the carried credit survives the cost fit's change of scale)
         share = EXPLORE_SHARE * (a / b + decoding) if b > 0 else float(proposed)
         self._explore_nodes = min(self._explore_nodes + share, EXPLORE_CARRY * share)
-        pace = (mode == "pace" and self._waiting == 0 and self.length_endings.binding
-                and remaining is not None
-                and all(r is not None for r, d in zip(remaining, drafts) if len(d)))
-        if pace:
+        paced = (mode == "pace" and self._waiting == 0 and self.length_endings.binding
+                 and remaining is not None
+                 and all(r is not None for r, d in zip(remaining, drafts) if len(d)))
+        if paced:
             req_ids = self._step_req_ids
             pace = [self.paces.pace(req_ids[row]) for row in range(len(drafts))]
             out, explored, dropped, eligible = pace_batch(
