@@ -40,9 +40,9 @@ for target in "${targets[@]}"; do
     global_store) files="vllm_specplug/proposers/global_store.py"
       tests="test_global_store.py test_global_store_sizes.py test_global_store_edges.py test_global_bytes.py" ;;
     sam) files="vllm_specplug/proposers/sam.py"
-      tests="test_sam_proposer.py test_suffix_automaton.py test_corpus_automaton.py test_simulate.py test_global_store.py test_isolation.py test_faults.py test_bounds.py test_config.py test_hybrid.py test_global_bytes.py test_sam_edges.py test_stop_rule.py" ;;
+      tests="test_sam_proposer.py test_suffix_automaton.py test_corpus_automaton.py test_simulate.py test_global_store.py test_isolation.py test_faults.py test_bounds.py test_config.py test_hybrid.py test_global_bytes.py test_sam_edges.py test_stop_rule.py test_stop_rule_state.py" ;;
     stop_rule) files="vllm_specplug/proposers/stop_rule.py"
-      tests="test_stop_rule.py test_sam_edges.py test_sam_proposer.py test_bounds.py test_config.py" ;;
+      tests="test_stop_rule.py test_stop_rule_state.py test_sam_edges.py test_sam_proposer.py test_bounds.py test_config.py" ;;
     *) echo "unknown target '$target'; targets: scorers budget tree global_store sam stop_rule" >&2; exit 2 ;;
   esac
   dir=$WORK/$target

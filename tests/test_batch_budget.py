@@ -357,6 +357,35 @@ def test_pace_batch_drafts_only_rows_that_must_and_is_optimal_for_them(rows_valu
     assert _paced_rate(got, eligible, 1.0, ratio, rows) >= best - 1e-12
 
 
+def test_must_draft_at_the_margin_and_with_no_row_decoding():
+    """A row exactly ``margin`` tokens short of the batch's end finishes in
+    time without drafts (the rule is strict); with no row decoding nothing
+    is paced, explored or dropped."""
+    from vllm_specplug.budget import must_draft, pace_batch
+
+    assert must_draft([10, 8, 9], [1.0, 1.0, 1.0], 2.0).tolist() == [True, False, True]
+    assert must_draft([None, None], [1.0, 1.0], 2.0) is None
+    drafts = [chain([0.9, 0.9])] * 2
+    got, explored, dropped, mask = pace_batch(drafts, [None, None], [1.0, 1.0], 1.0, 0.1, 2,
+                                              explore=4)
+    assert (got, explored, dropped, mask) == (drafts, 0, 0, None)
+
+
+def test_pace_batch_explores_on_the_rows_that_must_draft():
+    """``explore`` reaches the allocation: nodes below the bar (0.15 against
+    1 / (0.1 + 4) ~ 0.24 for the one eligible row of four, a = 0.1, b = 1)
+    but above half of it are taken on the row that must draft, up to
+    ``explore`` of them."""
+    from vllm_specplug.budget import pace_batch
+
+    drafts = [chain([0.15, 0.15, 0.15])] * 4
+    remaining, pace = [5, 5, 5, 40], [1.0] * 4
+    got, explored, dropped, _ = pace_batch(drafts, remaining, pace, 0.1, 1.0, 4)
+    assert [len(d) for d in got] == [0] * 4 and explored == 0 and dropped == 9
+    got, explored, dropped, _ = pace_batch(drafts, remaining, pace, 0.1, 1.0, 4, explore=2)
+    assert [len(d) for d in got] == [0, 0, 0, 2] and explored == 2 and dropped == 9
+
+
 def test_a_lone_slowest_row_drafts_as_a_batch_of_one_would():
     """In a batch of 8 where one row would finish last (41 tokens at 1.1 a
     step, 37 steps; the others finish in 20 at 2 a step, or in 30 without
@@ -403,6 +432,10 @@ def test_row_paces_count_only_steps_allowed_to_draft():
     p.allow("a", True)                   # allowed, nothing to draft: one token counts
     p.committed("a", 1)
     assert p.pace("a") == pytest.approx(2.75 * 0.75 + 0.25)
+    p.allow("a", False)
+    p.committed("a", 9)
+    assert p.pace("a") == pytest.approx(2.75 * 0.75 + 0.25)
+    p.allow("a", True)                   # allowed, then paced off in the same step
     p.allow("a", False)
     p.committed("a", 9)
     assert p.pace("a") == pytest.approx(2.75 * 0.75 + 0.25)
