@@ -3,8 +3,8 @@
 #
 #   bash scripts/mutation.sh [TARGET ...]
 #
-# TARGET: scorers, budget, tree, global_store, sam, stop_rule (default: all six,
-# in that order). Each target is mutated in its own copy of the tracked tree under
+# TARGET: scorers, budget, tree, global_store, sam, stop_rule, drafter (default:
+# all seven, in that order). Each target is mutated in its own copy of the tracked tree under
 # ${MUTATION_WORKDIR:-/tmp/specplug-mutation}/TARGET (the checkout is never
 # touched), with the fast tier's settings (SPECPLUG_FAST_TESTS=1, no engine,
 # server or slow tests) and only the test files that exercise the target as the
@@ -27,7 +27,7 @@ OUT=$ROOT/results/mutation/$(date +%F)
 mkdir -p "$OUT" "$WORK"
 
 targets=("$@")
-[[ ${#targets[@]} -gt 0 ]] || targets=(scorers budget tree global_store sam stop_rule)
+[[ ${#targets[@]} -gt 0 ]] || targets=(scorers budget tree global_store sam stop_rule drafter)
 
 for target in "${targets[@]}"; do
   case $target in
@@ -41,9 +41,11 @@ for target in "${targets[@]}"; do
       tests="test_global_store.py test_global_store_sizes.py test_global_store_edges.py test_global_bytes.py" ;;
     sam) files="vllm_specplug/proposers/sam.py"
       tests="test_sam_proposer.py test_suffix_automaton.py test_corpus_automaton.py test_simulate.py test_global_store.py test_isolation.py test_faults.py test_bounds.py test_config.py test_hybrid.py test_global_bytes.py test_sam_edges.py test_stop_rule.py test_stop_rule_state.py" ;;
+    drafter) files="vllm_specplug/vllm_adapter/v1/drafter.py"
+      tests="test_drafter_unit.py test_batch_budget.py test_faults.py test_bounds.py test_budget_cache.py" ;;
     stop_rule) files="vllm_specplug/proposers/stop_rule.py"
       tests="test_stop_rule.py test_stop_rule_state.py test_sam_edges.py test_sam_proposer.py test_bounds.py test_config.py" ;;
-    *) echo "unknown target '$target'; targets: scorers budget tree global_store sam stop_rule" >&2; exit 2 ;;
+    *) echo "unknown target '$target'; targets: scorers budget tree global_store sam stop_rule drafter" >&2; exit 2 ;;
   esac
   dir=$WORK/$target
   rm -rf "$dir" && mkdir -p "$dir"

@@ -511,6 +511,62 @@ def test_drafter_paces_fixed_batches(patch_calls, mode, waiting, paced):
     assert s["sizes"]["drafter_paces"] == 2 - int(paced)   # rows allowed to draft
 
 
+def test_drafter_counts_paces_only_for_rows_allowed_to_draft(patch_calls):
+    """Over two paced steps: the row that drafted gets its pace from the
+    tokens its next step committed, the paced-off row none; each row's own
+    pace decides which rows draft; the batch counters add up over steps."""
+    d = _drafter({"method": "sam", "num_speculative_tokens": 4, "sam_min_accept_prob": 0.0,
+                  "batch_budget": "pace"})
+    d.step_cost = type(d.step_cost)(prior_a=1.0, prior_b=1e-4, prior_weight=1e9)
+    d.runner = _fake_runner({"a": (2, 20), "b": (2, 50)})
+    d.note_scheduler_output(_scheduler_output(["a", "b"], 0))
+    hists = [[1, 2, 3, 1, 2], [7, 8, 7, 8]]
+    first = step(d, ["a", "b"], hists, [[2], [8]])
+    assert len(first[0]) == 0 and len(first[1]) > 0
+    s1 = dict(d.stats()["batch_budget"])
+    # "b" committed 3 tokens (two drafts accepted, then its bonus), "a" one
+    hists = [hists[0] + [3], hists[1] + [7, 8, 7]]
+    step(d, ["a", "b"], hists, [[3], [7, 8, 7]])
+    assert d.paces.rows == {"b": pytest.approx(2.0 * 0.75 + 3 * 0.25)}
+    s2 = d.stats()["batch_budget"]
+    assert s2["steps"] == s1["steps"] + 1 == 2 and s2["paced_steps"] == 2
+    assert s2["nodes_proposed"] > s1["nodes_proposed"] > 0
+    assert s2["nodes_kept"] > s1["nodes_kept"] > 0
+    assert s2["nodes_paced_off"] > s1["nodes_paced_off"] > 0
+    assert d.stats()["propose_time"]["calls"] == 2 and d.stats()["propose_time"]["rows"] == 4
+    assert d.stats()["propose_time"]["seconds"] > 0
+    # each row's own pace, and the margin: "b" (43 tokens left) at 3.5 a
+    # step, then 2.875 after its 1 token this step, ends the batch in 15
+    # steps; "a" (14 left, at the engine's overall pace of about 2) ends in
+    # 14 without drafts, within the margin of 2 tokens of the end, so it
+    # drafts too (at the overall pace for "b", 21 steps, or without the
+    # margin, it would not)
+    d.paces.rows["b"] = 3.5
+    hists = [hists[0] + [1], hists[1] + [8]]
+    third = step(d, ["a", "b"], hists, [[1], [8]])
+    assert len(third[0]) > 0 and len(third[1]) > 0
+
+
+def test_a_faulted_row_still_sets_the_end_of_a_paced_batch(patch_calls):
+    """A request whose drafting faulted keeps decoding without drafts, one
+    token a step: its tokens still to generate still count, at that pace,
+    so when it is the slowest row the other rows, which would finish before
+    it, need not draft ("a": 39 tokens left at the prior pace of 2, "c"
+    60 at 1; with "c" counted at the prior pace, 30 steps, "a" would have
+    to draft)."""
+    d = _drafter({"method": "sam", "num_speculative_tokens": 4, "sam_min_accept_prob": 0.0,
+                  "batch_budget": "pace"})
+    d.step_cost = type(d.step_cost)(prior_a=1.0, prior_b=1e-4, prior_weight=1e9)
+    # "a" 30 tokens of 40 left, "b" 10; "c" 60 left, faulted
+    d.runner = _fake_runner({"a": (2, 43), "b": (2, 13), "c": (2, 63)})
+    d.note_scheduler_output(_scheduler_output(["a", "b", "c"], 0))
+    d._request_fault("c", RuntimeError("injected"))
+    hists = [[1, 2, 3, 1, 2], [7, 8, 7, 8], [5, 6, 5, 6]]
+    drafts = step(d, ["a", "b", "c"], hists, [[2], [8], [5]])
+    assert drafts == [[], [], []]
+    assert d.stats()["batch_budget"]["nodes_paced_off"] > 0
+
+
 def test_drafter_stops_pacing_when_requests_end_before_max_tokens(patch_calls):
     """Requests that finish far from their max_tokens (an end-of-sequence
     token) turn pacing off; requests run to it turn it back on."""

@@ -547,3 +547,40 @@ def test_proposers_size_drafts_by_a_rows_share_of_the_step(drafter):
     assert drafter.proposer.relative_token_cost == pytest.approx(2 * b / (a + 2 * b))
     step(drafter, ["a"], [[1, 2, 3, 9]], [[9]])
     assert drafter.proposer.relative_token_cost == pytest.approx(b / (a + b))
+
+
+def test_finish_frees_a_request_whatever_path_it_left_by(drafter, monkeypatch):
+    """Finishing a request drops its cache salt and calls the proposer's
+    ``complete`` once for it, whether it finished in the batch, after a
+    preemption had already freed its state, or after a fault."""
+    from types import SimpleNamespace as NS
+
+    completed = []
+    complete = drafter.proposer.complete
+    monkeypatch.setattr(drafter.proposer, "complete",
+                        lambda req_id: (completed.append(req_id), complete(req_id))[1])
+    drafter.note_scheduler_output(NS(scheduled_new_reqs=[
+        NS(req_id=r, specplug_cache_salt=f"salt-{r}") for r in ("a", "b", "c")]))
+    assert {"a", "b", "c"} <= set(drafter._salts)
+    hists = [[1, 2, 1, 2], [3, 4, 3, 4], [5, 6, 5, 6]]
+    step(drafter, ["a", "b", "c"], hists, [[2], [4], [6]])
+    step(drafter, ["b", "c"], [hists[1] + [3], hists[2] + [5]], [[3], [5]])  # "a" preempted
+    assert drafter._preempted == {"a"} and "a" not in drafter._seen and completed == []
+    drafter.finish_request("a")
+    assert completed == ["a"] and not drafter._preempted and "a" not in drafter._salts
+    drafter.finish_request("b")
+    assert completed == ["a", "b"] and "b" not in drafter._seen
+    propose = drafter.proposer.propose
+
+    def failing(req_id, budget):
+        if req_id == "c":
+            raise RuntimeError("injected")
+        return propose(req_id, budget)
+
+    monkeypatch.setattr(drafter.proposer, "propose", failing)
+    step(drafter, ["c"], [hists[2] + [5, 6]], [[6]])            # "c" faults, decodes on
+    assert "c" in drafter.containment and "c" not in drafter._seen
+    drafter.finish_request("c")
+    assert completed == ["a", "b", "c"] and not drafter._seen
+    assert not {"a", "b", "c"} & set(drafter._salts)
+    assert drafter.stats()["active_requests"] == 0

@@ -505,7 +505,9 @@ class SpecPlugDrafter(DrafterState):
                  and all(r is not None for r, d in zip(remaining, drafts) if len(d)))
         if paced:
             req_ids = self._step_req_ids
-            pace = [self.paces.pace(req_ids[row]) for row in range(len(drafts))]
+            # a contained request decodes without drafts: one token a step
+            pace = [1.0 if req_ids[row] in self.containment else self.paces.pace(req_ids[row])
+                    for row in range(len(drafts))]
             out, explored, dropped, eligible = pace_batch(
                 drafts, remaining, pace, a, b, decoding, scale=self.calibration.ratio,
                 explore=int(self._explore_nodes), margin=PACE_MARGIN_TOKENS)
