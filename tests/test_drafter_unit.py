@@ -396,19 +396,26 @@ def test_changed_token_behind_new_tokens_rebuilds(drafter):
 
 
 # ------------------------------------------------------------------- errors
+def _propose_raising_for(drafter, monkeypatch, bad: str):
+    """Make the proposer's ``propose`` raise for request ``bad`` only;
+    returns the original."""
+    orig = drafter.proposer.propose
+
+    def flaky(req_id, budget):
+        if req_id == bad:
+            raise ValueError("boom")
+        return orig(req_id, budget)
+
+    monkeypatch.setattr(drafter.proposer, "propose", flaky)
+    return orig
+
+
 def test_proposer_error_affects_only_its_request(drafter, monkeypatch, caplog):
     hists = [[1, 2, 3, 1, 2], [4, 5, 6, 4, 5], [7, 8, 9, 7, 8]]
     step(drafter, ["a", "b", "c"], hists, [[2], [5], [8]])
     assert drafter.stats()["active_requests"] == 3
 
-    orig = drafter.proposer.propose
-
-    def flaky(req_id, budget):
-        if req_id == "b":
-            raise ValueError("boom")
-        return orig(req_id, budget)
-
-    monkeypatch.setattr(drafter.proposer, "propose", flaky)
+    orig = _propose_raising_for(drafter, monkeypatch, "b")
     hists = [h + [h[2]] for h in hists]
     with caplog.at_level("ERROR", logger="vllm_specplug"):
         drafts = step(drafter, ["a", "b", "c"], hists, [[3], [6], [9]])
@@ -570,14 +577,7 @@ def test_finish_frees_a_request_whatever_path_it_left_by(drafter, monkeypatch):
     assert completed == ["a"] and not drafter._preempted and "a" not in drafter._salts
     drafter.finish_request("b")
     assert completed == ["a", "b"] and "b" not in drafter._seen
-    propose = drafter.proposer.propose
-
-    def failing(req_id, budget):
-        if req_id == "c":
-            raise RuntimeError("injected")
-        return propose(req_id, budget)
-
-    monkeypatch.setattr(drafter.proposer, "propose", failing)
+    _propose_raising_for(drafter, monkeypatch, "c")
     step(drafter, ["c"], [hists[2] + [5, 6]], [[6]])            # "c" faults, decodes on
     assert "c" in drafter.containment and "c" not in drafter._seen
     drafter.finish_request("c")
