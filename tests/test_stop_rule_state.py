@@ -8,11 +8,11 @@ and metadata. Written for the survivors of the mutation run of 2026-12-05
 from __future__ import annotations
 
 import copy
-import json
 import math
 
 import numpy as np
 import pytest
+from test_stop_rule import _good
 
 from vllm_specplug.proposers import stop_rule as S
 
@@ -210,10 +210,6 @@ def test_estimates_and_shares_above_one_count_as_one():
 
 
 # ------------------------------------------------------------------ the file
-def _good() -> dict:
-    return json.loads(json.dumps(S.StopModel.load().to_dict()))
-
-
 def test_the_model_keeps_the_file_metadata_but_not_its_coefficients():
     data = _good()
     data["fitted_on"] = "tuning halves"

@@ -414,8 +414,8 @@ class SpecPlugDrafter(DrafterState):
                      topk=None, draft: bool = True, left: int | None = None) -> Draft:
         """The proposer follows the row's newly committed tokens (or starts
         the request), then drafts (when ``draft``), within max_tokens
-        (``left``, ``_tokens_left``; None: no bound)."""
-        self._hook = "adapter"
+        (``left``, ``_tokens_left``; None: no bound). The caller has set
+        ``_hook`` to "adapter"."""
         seen = self._seen.get(req_id)
         if (seen is not None and seen[0] <= n
                 and int(token_ids_cpu[row, seen[0] - 1]) == seen[1]):
@@ -503,8 +503,8 @@ class SpecPlugDrafter(DrafterState):
         paced = (mode == "pace" and self._waiting == 0 and self.length_endings.binding
                  and remaining is not None
                  and all(r is not None for r, d in zip(remaining, drafts) if len(d)))
+        req_ids = self._step_req_ids
         if paced:
-            req_ids = self._step_req_ids
             # a contained request decodes without drafts: one token a step
             pace = [1.0 if req_ids[row] in self.containment else self.paces.pace(req_ids[row])
                     for row in range(len(drafts))]
@@ -522,7 +522,6 @@ class SpecPlugDrafter(DrafterState):
         self._explore_nodes -= explored
         stats["steps"] += 1
         stats["nodes_explored"] += explored
-        req_ids = self._step_req_ids
         for row, (before, after) in enumerate(zip(drafts, out)):
             if len(after) < len(before):
                 out[row] = after = self._cut(req_ids[row], before, after)
