@@ -42,7 +42,7 @@ for target in "${targets[@]}"; do
     sam) files="vllm_specplug/proposers/sam.py"
       tests="test_sam_proposer.py test_suffix_automaton.py test_corpus_automaton.py test_simulate.py test_global_store.py test_isolation.py test_faults.py test_bounds.py test_config.py test_hybrid.py test_global_bytes.py test_sam_edges.py test_stop_rule.py test_stop_rule_state.py" ;;
     drafter) files="vllm_specplug/vllm_adapter/v1/drafter.py"
-      tests="test_drafter_unit.py test_batch_budget.py test_faults.py test_bounds.py test_budget_cache.py" ;;
+      tests="test_drafter_unit.py test_drafter_paths.py test_batch_budget.py test_faults.py test_bounds.py test_budget_cache.py" ;;
     stop_rule) files="vllm_specplug/proposers/stop_rule.py"
       tests="test_stop_rule.py test_stop_rule_state.py test_sam_edges.py test_sam_proposer.py test_bounds.py test_config.py" ;;
     *) echo "unknown target '$target'; targets: scorers budget tree global_store sam stop_rule drafter" >&2; exit 2 ;;

@@ -57,7 +57,15 @@ def test_malloc_trim_gives_back_what_glibc_held_free():
         time.sleep(0.2)
         before = psutil.Process(p.pid).memory_info().rss
         assert before > 300 << 20, before
-        assert malloc_trim(p.pid).startswith("$1 = 1")
+        answer = malloc_trim(p.pid)
+        # gdb cannot call into a process on some virtual CPUs (it fails to
+        # write the register state back, seen on an Intel Xeon VM on
+        # 2026-12-05) or where ptrace is not permitted: a limit of the
+        # machine, not of the code under test
+        for limit in ("Couldn't write extended state status", "ptrace: Operation not permitted"):
+            if limit in answer:
+                pytest.skip(f"gdb cannot call functions in a process here: {limit}")
+        assert answer.startswith("$1 = 1"), answer
         after = psutil.Process(p.pid).memory_info().rss
         assert after < before - (300 << 20), (before, after)
     finally:
