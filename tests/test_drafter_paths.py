@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from helpers import arrays, make_vllm_config, step
+from test_drafter_unit import _Runner, _State
 from vllm_specplug.proposers.base import TargetTopK
 from vllm_specplug.vllm_adapter.v1 import drafter as drafter_mod
 from vllm_specplug.vllm_adapter.v1.drafter import SpecPlugDrafter
@@ -106,8 +107,9 @@ class _LoRA:
 
 def test_the_proposer_starts_a_request_with_its_tenant(patch_calls, monkeypatch):
     d = SpecPlugDrafter(make_vllm_config())
-    d.runner = NS(requests={"a": NS(num_prompt_tokens=5, lora_request=_LoRA(),
-                                    sampling_params=None)})
+    state = _State(5, None)
+    state.lora_request = _LoRA()
+    d.runner = _Runner({"a": state})
     d.note_scheduler_output(NS(scheduled_new_reqs=[NS(req_id="a",
                                                      specplug_cache_salt="salt-a")]))
     got = []
@@ -238,15 +240,9 @@ def test_a_step_cost_cache_that_cannot_be_written_is_dropped_with_a_warning(
 
 
 # ------------------------------------------------- state freed on the way out
-class _Params:
-    def __init__(self, max_tokens):
-        self.max_tokens, self.extra_args = max_tokens, None
-
-
 def _bounded(patch_calls, max_tokens=20):
     d = SpecPlugDrafter(make_vllm_config())
-    d.runner = NS(requests={r: NS(num_prompt_tokens=4, lora_request=None,
-                                  sampling_params=_Params(max_tokens)) for r in "abc"})
+    d.runner = _Runner({r: _State(4, max_tokens) for r in "abc"})
     return d
 
 
@@ -314,19 +310,18 @@ def test_a_finish_within_one_draft_of_max_tokens_counts_as_running_to_it(
 
 
 def test_the_last_request_leaving_is_an_idle_moment(drafter, monkeypatch):
-    idle, written = [], []
+    trims, written = [], []
     monkeypatch.setattr(drafter.malloc_trim, "maybe", lambda idle: trims.append(idle))
-    trims = idle
     monkeypatch.setattr(drafter_mod.stats_export, "maybe_write",
                         lambda d, freed=False: written.append(freed))
     step(drafter, ["a", "b"], [[1, 2, 1, 2], [3, 4, 3, 4]], [[2], [4]])
-    assert idle == [False] and written == [False]
-    idle.clear(), written.clear()
+    assert trims == [False] and written == [False]
+    trims.clear(), written.clear()
     step(drafter, ["b"], [[3, 4, 3, 4, 3]], [[3]])           # a leaves, b stays
-    assert True not in idle and written.count(True) == 1
-    idle.clear(), written.clear()
+    assert True not in trims and written.count(True) == 1
+    trims.clear(), written.clear()
     step(drafter, [], [], [])                                # the last one leaves
-    assert idle.count(True) == 1 and written.count(True) == 1
+    assert trims.count(True) == 1 and written.count(True) == 1
 
 
 @pytest.mark.parametrize("hook", ["complete", "finish"])
