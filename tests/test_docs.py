@@ -1,7 +1,8 @@
 """The docs against the code (no engine, a second or two): the README's layout
-against the package tree, the PATCHES table against docs/architecture.md,
-every key of every built-in method against docs/configuration.md, and every
-relative link and repository path in the docs against the files."""
+against the package tree and scripts/, the PATCHES table against
+docs/architecture.md, every key of every built-in method against
+docs/configuration.md, every relative link and repository path in the docs
+against the files, and the docs' line limits."""
 from __future__ import annotations
 
 import re
@@ -12,17 +13,26 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "vllm_specplug"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
-PAGES = [ROOT / "README.md", *DOCS, ROOT / "results" / "README.md",
+PAGES = [ROOT / "README.md", *DOCS, *sorted((ROOT / "results").glob("**/README.md")),
          *sorted((ROOT / "examples").glob("**/README.md"))]
+
+#: Most lines a page may have (issue 46: docs a user reads in one sitting;
+#: write-ups of experiments go in the results folder that produced them).
+LINE_LIMITS = {"README.md": 200, "docs/benchmarks.md": 400, "docs/architecture.md": 400}
+
+
+def _layout_block() -> str:
+    """The README's "Layout" code block."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+    return section.split("```", 2)[1]
 
 
 def _layout_entries() -> list[str]:
     """Paths named in the README's "Layout" code block, relative to the repo:
     an unindented ``name/`` is a top-level folder; an indented ``name/`` or
     ``name.py`` lies in the last unindented folder."""
-    text = (ROOT / "README.md").read_text()
-    section = text.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
-    block = section.split("```", 2)[1]
+    block = _layout_block()
     entries, parent = [], ""
     for line in block.splitlines():
         m = re.match(r"^( *)(\S+?(?:/|\.py))(?=\s|$)", line)
@@ -35,6 +45,18 @@ def _layout_entries() -> list[str]:
         else:
             entries.append(parent + name)
     return entries
+
+
+def _layout_scripts() -> set[str]:
+    """File names on the indented lines under ``scripts/`` in the Layout block
+    (several may share a line: ``a.py, b.py   what they are for``)."""
+    lines = _layout_block().split("\nscripts/", 1)[1].splitlines()[1:]
+    names = set()
+    for line in lines:
+        if not line.startswith(" "):
+            break
+        names |= set(re.findall(r"[\w.-]+\.(?:py|sh)\b", line.split("   ", 1)[0]))
+    return names
 
 
 def _subpackages() -> set[str]:
@@ -61,6 +83,25 @@ def test_layout_lists_every_subpackage_and_module():
     unlisted = sorted((_subpackages() | _top_modules()) - entries)
     assert not unlisted, (f"README layout lacks {unlisted}: add a line for each under "
                           f"'vllm_specplug/' in the Layout block")
+
+
+def test_layout_names_every_script_and_only_those():
+    """scripts/ holds tools, each named in the README's layout with what it is
+    for; a one-off experiment leaves the tree once its results are written up
+    (results/README.md, "Scripts that left the tree")."""
+    on_disk = {p.name for p in (ROOT / "scripts").iterdir() if p.is_file()}
+    named = _layout_scripts()
+    assert named, "README layout names no scripts under 'scripts/'"
+    assert not named - on_disk, f"README layout names missing scripts: {sorted(named - on_disk)}"
+    assert not on_disk - named, (f"scripts/ holds {sorted(on_disk - named)}, not in the README "
+                                 f"layout: say what each is for, or remove the experiment")
+
+
+@pytest.mark.parametrize("page, limit", sorted(LINE_LIMITS.items()))
+def test_pages_stay_within_their_line_limits(page, limit):
+    lines = len((ROOT / page).read_text().splitlines())
+    assert lines <= limit, (f"{page} has {lines} lines, more than {limit}: move experiments and "
+                            f"their write-ups to results/<topic>/README.md and link them in one line")
 
 
 def test_every_patch_is_named_in_architecture():
