@@ -8,6 +8,8 @@
 #                                   hypothesis examples); skips set-up. Measured
 #                                   here: 960 tests, 178 s wall, 105 s CPU (load 4-5)
 #   SPECPLUG_SLOW_TESTS=1 bash scripts/test.sh   both tiers
+#   After the main suite (no arguments), the vLLM 0.34 tier runs in the side
+#   environment of scripts/setup-vllm034.sh (SPECPLUG_VLLM034_TIER=0 skips it)
 #
 # Further arguments go to pytest (e.g. a test file, -k NAME).
 set -euo pipefail
@@ -22,4 +24,17 @@ if [[ "${1:-}" == "--fast" ]]; then
     -m "not engine and not server and not slow" tests "$@"
 fi
 bash scripts/setup.sh
-exec "$PY" -m pytest -q -p no:cacheprovider --durations=40 tests "$@"
+rc=0
+"$PY" -m pytest -q -p no:cacheprovider --durations=40 tests "$@" || rc=$?
+# The vLLM 0.34 tier (docs/compatibility.md): the MRV2 adapter against vLLM
+# 0.34.0's real classes, then vLLM 0.34's own engine loop on this CPU, in the
+# side environment. Runs after the whole suite only (no arguments given);
+# SPECPLUG_VLLM034_TIER=0 skips it.
+if [[ $# -eq 0 && "${SPECPLUG_VLLM034_TIER:-1}" != "0" ]]; then
+  VENV034="${SPECPLUG_VLLM034_VENV:-/work/.venv-vllm034}"
+  SPECPLUG_VLLM034_VENV="$VENV034" bash scripts/setup-vllm034.sh
+  "$VENV034/bin/python" -m pytest -q -p no:cacheprovider --durations=15 -m vllm034 \
+    tests/test_mrv2_speculator.py tests/test_vllm034_cpu_ops.py tests/test_vllm034_engine.py \
+    || rc=$?
+fi
+exit $rc

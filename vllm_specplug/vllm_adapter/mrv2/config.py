@@ -80,15 +80,37 @@ def plugin_config(spec: Any) -> dict[str, Any]:
         raise SpecPlugConfigError(
             f"speculative_config['model'] is not used by method {method!r} (it drafts from "
             f"token history, no draft model); remove it")
+    # the target's tokenizer checks what was built with one (sam_corpus files:
+    # a corpus from another tokenizer drafts ids the target does not have)
+    target = spec.target_model_config
+    tokenizer = None if target is None else target.tokenizer
     try:
         _, plugin = translate({"method": method,
                                "num_speculative_tokens": spec.num_speculative_tokens,
-                               **options})
+                               **options}, tokenizer=tokenizer)
     except SpecPlugConfigError as e:
         raise SpecPlugConfigError(
             f"speculative_config[{OPTIONS_KEY!r}] (vLLM 0.34 takes method {method!r}'s keys "
             f"there): {e}") from e
     return plugin
+
+
+#: The default K on vLLM 0.34, as vLLM's own ``suffix``: every one of a step's
+#: K slots is verified (padding included), so a deep default costs throughput
+#: at high concurrency (on 0.32 the plugin's budget cuts each request's draft).
+DEFAULT_K = 8
+
+
+def default_num_speculative_tokens(spec: Any) -> int:
+    """K when the user gives none: the largest K of vLLM's
+    ``num_speculative_tokens_per_batch_size`` schedule when one is given (vLLM
+    caps each entry at K, so a smaller default would override the user's
+    schedule), else ``min(DEFAULT_K, the method's own default)``."""
+    schedule = spec.num_speculative_tokens_per_batch_size
+    if schedule:
+        return max(int(entry[2]) for entry in schedule)
+    return min(DEFAULT_K, int(get_proposer_class(spec.custom_method)
+                              .default_num_speculative_tokens))
 
 
 class SpecPlugSpeculatorConfig(SpeculatorConfig):
@@ -97,8 +119,10 @@ class SpecPlugSpeculatorConfig(SpeculatorConfig):
     base_method: ClassVar[str | None] = None
     speculator_class: ClassVar[str | None] = SPECULATOR_CLASS_PATH
     supported_options: ClassVar[frozenset[str]] = frozenset({OPTIONS_KEY})
-    # propose reads every active request's newest tokens each step
-    prefer_dense_token_history: ClassVar[bool] = True
+    # propose reads a few newest tokens of each row a step (and a request's
+    # whole history once): vLLM's UVA-backed history serves that; a dense
+    # [max_num_seqs, max_model_len] device copy would cost memory for nothing
+    prefer_dense_token_history: ClassVar[bool] = False
     # confidences (adaptive verification) come from sam's learned acceptance
     adaptive_verification_uses_draft_logits: ClassVar[bool] = False
 
@@ -109,8 +133,7 @@ class SpecPlugSpeculatorConfig(SpeculatorConfig):
             plugin_config(spec)   # raises, with the reason
         super().configure(spec)   # no draft model: the target's configs
         if spec.num_speculative_tokens is None:
-            default = get_proposer_class(method).default_num_speculative_tokens
-            spec.num_speculative_tokens = int(default)
+            spec.num_speculative_tokens = default_num_speculative_tokens(spec)
 
     @classmethod
     def apply_options(cls, spec: Any) -> None:

@@ -1,45 +1,52 @@
 """``SamSpeculator``: the plugin's pure ``sam`` proposer behind vLLM 0.34's
-``BaseSpeculator`` interface (Model Runner V2).
+``BaseSpeculator`` interface (Model Runner V2), without ever waiting for the
+device in ``propose``.
 
-Each step, after vLLM wrote the step's sampled tokens into
-``req_states.all_token_ids`` / ``total_len``, ``propose`` gets the batch:
+vLLM 0.34 schedules asynchronously: when ``propose(t)`` runs on the host, the
+device may still be computing step t, and a copy of step t's tokens to the
+host would stall it. vLLM's own ``ngram`` and ``suffix`` draft in device
+kernels; ``sam``'s automata live on the host. So the host drafts one step
+late and the device finishes the job:
 
-* one gather on the device and one copy to the host per step, of a small
-  ``[num_reqs, 3 + K + 2]`` block per batch row: the request's token count,
-  its sampled count this step, its last sampled token, and its newest
-  ``K + 2`` tokens (the K + 1 a step can commit and one to check continuity).
-  A request's full history is copied once, when it is new to the speculator
-  (a new request, a re-added one after preemption, or one whose newest tokens
-  do not continue what the proposer saw);
-* the proposer follows the newly committed tokens (``observe``), or starts
-  the request from its history (``start``); a ``-1`` (an async placeholder
-  that is not a token yet) ends what it takes this step, and the row gets no
-  draft until the tokens are known;
-* drafts of up to the step's K tokens, cut at the request's ``max_tokens``
-  (``req_states.max_seq_len``), padded to K with the request's last sampled
-  token (as vLLM's own suffix speculator does: every slot is verified,
-  filler is simply rejected); rows still prefilling (nothing sampled) are
-  all filler;
-* ``draft_token_confidence_probs``: sam's learned acceptance per draft
-  position (0 for filler), read by vLLM's adaptive verification when on.
+* ``propose(t)`` enqueues an asynchronous copy (pinned memory, non-blocking)
+  of each row's token count and newest ``K + 2`` tokens; the host reads it
+  at ``propose(t + 1)`` (its copy finished long before; an unfinished one is
+  never waited for: its rows draft nothing that step).
+* The host brings the proposer up to what it knows (the tokens committed
+  through step t - 1) and drafts, per row, a chain ``C`` of up to
+  ``2K + 1`` tokens starting at position ``base`` (the tokens it knows): long
+  enough to hold the ``m <= K + 1`` tokens step t commits and K more.
+* A few device ops (no host round trip) compare the row's committed tokens
+  at ``base .. total - 1`` with ``C[:m]``: where they agree, the draft is
+  ``C[m : m + K]``; elsewhere it is filler (the last sampled token, as
+  vLLM's own ``suffix`` pads). After a rejection the committed correction is
+  seldom in ``C``, so that row pads for a step; this is what the lag costs
+  (results/mrv2/README.md measures it against the synchronous design).
+* A request new to the speculator (new, resumed after preemption, or out of
+  step) gets its history by the same kind of asynchronous copy, and its
+  automaton is built at most ``BUILD_TOKENS_PER_STEP`` tokens a step, so a
+  32k-token prompt delays its own drafts by a few steps, never the batch's.
 
-Every one of the step's K slots is verified whether it holds a draft or
-filler, so sam's cost-based draft length has nothing to save here: the
-proposer's ``relative_token_cost`` is 0 and it drafts as far as it can
-(up to K). With no per-rank timing in the drafts, every tensor-parallel rank
-drafts the same tokens from the same history, without a broadcast.
+Drafts stop at the request's ``max_tokens`` and never hold an id outside the
+target's vocabulary. Under tensor parallelism only the first rank of the TP
+group drafts, and the others receive its drafts (one broadcast of
+``[rows, K]`` on the device, no host sync), so a fault on one rank cannot make
+the ranks verify different tokens. ``draft_token_confidence_probs`` are
+sam's learned acceptance per position (0 for filler), used when the speculative
+config's ``enable_adaptive_verification`` is on (vLLM allows it with full
+CUDA graphs only).
 
 ``on_requests_finished`` completes finished requests (their outputs go to
-sam's global store before the next draft, with ``isolation`` "none": vLLM
-0.34's speculators cannot tell tenants apart, so by default requests share
-no memory; see ``config.plugin_config``), ``add_request`` forgets what a
-reused request-state slot held, ``reset_state`` forgets everything learned
-(vLLM calls it after the warm-up requests).
+sam's global store, with ``isolation`` "none"), ``add_request`` forgets what a
+reused request-state slot held, ``reset_state`` forgets everything learned.
+No malloc trim runs here: every hook of an MRV2 speculator runs inside a
+step.
 """
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -47,7 +54,7 @@ import torch
 
 from vllm.v1.worker.gpu.spec_decode.speculator import BaseSpeculator
 
-from ... import faults, malloc_trim
+from ... import faults
 from ...config import build_proposer
 from ...proposers.base import Draft, RequestInfo, start_request
 from ...warmup import warm_up
@@ -55,9 +62,49 @@ from .config import plugin_config
 
 logger = logging.getLogger("vllm_specplug")
 
-#: Columns of the per-step host block before the newest tokens.
-_TOTAL, _SAMPLED, _LAST = 0, 1, 2
-_HEAD = 3
+#: Host tokens of automaton building a step, over all new requests (sam's
+#: automaton costs 5-7 us a token: about 10-15 ms at most a step).
+BUILD_TOKENS_PER_STEP = 2048
+#: Concurrent history copies in flight (each up to max_model_len tokens).
+HISTORY_SLOTS = 4
+#: n-gram sizes of the device's re-anchoring (rows whose chain missed the
+#: committed tokens), longest first.
+REANCHOR_NGRAM = (3, 2, 1)
+
+
+@dataclass
+class _Req:
+    """What the speculator keeps for one request: its request-state slot,
+    how many of its tokens the proposer has (``seen``) and the last of them.
+    While ``job`` is set the request is being (re)built from its history."""
+    slot: int
+    seen: int = 0
+    last: int = -1
+    job: "_Job | None" = None
+
+
+@dataclass
+class _Job:
+    """A history copy to the host: tokens ``[0, end)`` of a slot land in
+    staging row ``row``; ``done`` of them are in the proposer; ``tail`` holds
+    tokens after ``end`` seen in step blocks meanwhile."""
+    row: int
+    end: int
+    event: Any
+    done: int = 0
+    tail: list[int] = field(default_factory=list)
+    broken: bool = False    # a gap in the tail: start again
+
+
+@dataclass
+class _Block:
+    """The step block copied at one step: rows' request ids and slots, and
+    the host buffer its copy lands in."""
+    req_ids: list[str]
+    slots: np.ndarray
+    buf: int
+    event: Any
+    read: set[str] = field(default_factory=set)   # rows already followed
 
 
 class SamSpeculator(BaseSpeculator):
@@ -69,35 +116,73 @@ class SamSpeculator(BaseSpeculator):
         # request; "request" (the default on 0.34): none (config.plugin_config)
         self.tenant = () if self.plugin["isolation"] == "none" else None
         self.k = int(spec.num_speculative_tokens)
+        self.enable_adaptive_verification = bool(spec.enable_adaptive_verification)
+        self.vocab_size = int(vllm_config.model_config.get_vocab_size())
         self.device = device
         self.req_states = req_states
         max_num_reqs = vllm_config.scheduler_config.max_num_seqs
+        max_model_len = vllm_config.model_config.max_model_len
+        # only the first rank of a tensor-parallel group drafts (the others
+        # take its drafts: the ranks always verify the same tokens)
+        self.tp_group = None
+        if vllm_config.parallel_config.tensor_parallel_size > 1:
+            from vllm.distributed import get_tp_group
+
+            self.tp_group = get_tp_group()
+        self.drafting_rank = self.tp_group is None or self.tp_group.rank_in_group == 0
         self.proposer = self._new_proposer()
-        # numba kernels compile now, not in the first requests (docs/architecture.md,
-        # "Cold start")
+        # numba kernels compile now, not in the first requests
         warm_up(self.plugin)
-        # faults contained (docs/architecture.md, "Faults"): a request whose
-        # proposer call raised decodes without drafts for the rest of its life
         self.containment = faults.Containment(self.method)
-        # glibc's free memory given back while serving (vllm_specplug.malloc_trim)
-        self.malloc_trim = malloc_trim.from_env()
-        # newest tokens copied per row: a step commits at most K + 1, plus one
-        # already seen to check that they continue it
+        # the host's chain: the tokens a step can commit (K + 1), then K
+        self.span = 2 * self.k + 1
+        # newest tokens per row in a step block: what a step commits, and one
+        # the proposer has already, to check they continue what it saw
         self.window = self.k + 2
-        self._cols = torch.arange(-self.window, 0, device=device)
+        pin = device.type == "cuda"
+        self._events = device.type == "cuda"
+
+        def host(*shape, dtype=torch.int64):
+            return torch.zeros(shape, dtype=dtype, pin_memory=pin)
+
+        # device outputs
         self.drafts = torch.zeros((max_num_reqs, self.k), dtype=torch.int64, device=device)
         self.draft_token_confidence_probs = torch.zeros(
             (max_num_reqs, self.k), dtype=torch.float32, device=device)
-        # request-state slot -> (req_id, tokens the proposer has, last of them)
-        self._rows: dict[int, tuple[str, int, int]] = {}
-        # req_id -> its slot, for requests the proposer holds
-        self._slots: dict[str, int] = {}
-        self.stats = {"steps": 0, "rows": 0, "drafted_rows": 0, "draft_tokens": 0,
-                      "starts": 0, "placeholder_rows": 0, "host_seconds": 0.0,
-                      "copy_seconds": 0.0}
+        # step blocks: [rows, 1 + window] (token count, newest tokens), two
+        # host buffers used in turn
+        self._block_host = [host(max_num_reqs, 1 + self.window) for _ in range(2)]
+        self._block_np = [b.numpy() for b in self._block_host]
+        self._block_cols = torch.arange(-self.window, 0, device=device)
+        self._next_buf = 0
+        self._pending: _Block | None = None
+        # candidates: chain, its base position, its length, its confidences
+        # (host in turn, then device)
+        self._cand_host = [(host(max_num_reqs, self.span), host(max_num_reqs, 2),
+                            host(max_num_reqs, self.span, dtype=torch.float32))
+                           for _ in range(2)]
+        self._cand_np = [tuple(t.numpy() for t in bufs) for bufs in self._cand_host]
+        self._cand_events: list[Any] = [None, None]
+        self._cand = torch.zeros((max_num_reqs, self.span), dtype=torch.int64, device=device)
+        self._cand_meta = torch.zeros((max_num_reqs, 2), dtype=torch.int64, device=device)
+        self._cand_conf = torch.zeros((max_num_reqs, self.span), dtype=torch.float32,
+                                      device=device)
+        self._span_cols = torch.arange(self.span, device=device)
+        self._k_cols = torch.arange(self.k, device=device)
+        # history copies
+        self._stage = host(HISTORY_SLOTS, max_model_len, dtype=torch.int32)
+        self._stage_np = self._stage.numpy()
+        self._free_stage = list(range(HISTORY_SLOTS))
+        self._reqs: dict[str, _Req] = {}
+        self._slot_req: dict[int, str] = {}
+        self.stats = {"steps": 0, "rows": 0, "candidate_rows": 0, "candidate_tokens": 0,
+                      "starts": 0, "history_copies": 0, "build_tokens": 0,
+                      "blocks_not_ready": 0, "host_seconds": 0.0,
+                      "max_host_seconds": 0.0}
 
     def _new_proposer(self):
-        proposer = build_proposer(self.plugin)
+        # the chain is 2K + 1 tokens long (the proposer caps drafts at its K)
+        proposer = build_proposer({**self.plugin, "num_speculative_tokens": 2 * self.k + 1})
         # every slot of the step's K is verified: longer drafts cost nothing more
         proposer.relative_token_cost = 0.0
         return proposer
@@ -111,38 +196,37 @@ class SamSpeculator(BaseSpeculator):
 
     def add_request(self, req_index: int) -> None:
         """Slot ``req_index`` holds a new (or re-added) request: what the
-        proposer kept for the slot's previous request is freed (a request
+        speculator kept for the slot's previous request is freed (a request
         preempted from it left without a hook)."""
-        held = self._rows.pop(req_index, None)
-        if held is not None:
-            self._forget(held[0])
+        req_id = self._slot_req.get(req_index)
+        if req_id is not None:
+            self._forget(req_id)
 
     def on_requests_finished(self, finished_req_ids) -> None:
-        """Finished or aborted requests (not preempted): the tokens not yet
-        followed are read (their slots are still readable), then the
-        proposer completes them (sam's global store takes their outputs, in
-        request-id order, before the next draft)."""
+        """Finished or aborted requests (not preempted): the last step block
+        is read if its copy is done (never waited for), then the proposer
+        completes each (sam's global store takes their outputs, in request-id
+        order, before the next draft)."""
+        if self.drafting_rank:
+            self._drain(only=set(finished_req_ids))
         for req_id in sorted(finished_req_ids):
             self.containment.finished(req_id)
-            slot = self._slots.get(req_id)
-            if slot is None:
+            req = self._reqs.get(req_id)
+            if req is None:
                 continue
-            try:
-                if self.req_states.req_id_to_index.get(req_id) == slot:
-                    self._catch_up(slot)
-                self.proposer.complete(req_id)
-            except Exception as e:  # noqa: BLE001 - the store misses one document
-                self.containment.request_fault(req_id, "complete", e, finished=True)
-            self._rows.pop(slot, None)
+            if req.job is None:
+                try:
+                    self.proposer.complete(req_id)
+                except Exception as e:  # noqa: BLE001 - the store misses one document
+                    self.containment.request_fault(req_id, "complete", e, finished=True)
             self._forget(req_id)
-        if not self._slots:           # no request left: an idle moment to trim
-            self.malloc_trim.maybe(idle=True)
 
     def reset_state(self) -> None:
         """Forget everything learned (global store, acceptance statistics)."""
         self.proposer = self._new_proposer()
-        self._rows.clear()
-        self._slots.clear()
+        for req_id in list(self._reqs):
+            self._forget(req_id, finish=False)
+        self._pending = None
 
     # --------------------------------------------------------------- drafting
     @torch.inference_mode()
@@ -154,143 +238,299 @@ class SamSpeculator(BaseSpeculator):
                 skip_attn_for_dummy_run: bool = False, mm_inputs: Any = None,
                 is_profile: bool = False,
                 num_speculative_tokens: int | None = None) -> torch.Tensor:
-        num_reqs = input_batch.num_reqs
-        if dummy_run or num_reqs == 0:
-            return self.drafts[:num_reqs]
+        n = input_batch.num_reqs
+        if dummy_run or n == 0:
+            return self.drafts[:n]
         started = time.perf_counter()
-        block = self._step_block(input_batch.idx_mapping, num_sampled, last_sampled)
-        copied = time.perf_counter()
-        budget = self.k if num_speculative_tokens is None else min(
-            int(num_speculative_tokens), self.k)
-        slots = input_batch.idx_mapping_np
-        out = np.repeat(block[:, _LAST:_LAST + 1], self.k, axis=1)
-        conf = np.zeros((num_reqs, self.k), dtype=np.float32)
-        for row in range(num_reqs):
-            req_id = input_batch.req_ids[row]
-            slot = int(slots[row])
-            if req_id in self.containment:
-                continue          # faulted earlier: filler only, for the rest of its life
-            try:
-                draft = self._propose_row(req_id, slot, block[row], budget)
-            except Exception as e:  # noqa: BLE001 - one request's failure stays its own
-                self.containment.request_fault(req_id, "propose", e)
-                self._rows.pop(slot, None)
-                self._forget(req_id)
-                continue
-            n = len(draft)
-            if n:
-                out[row, :n] = draft.tokens
-                if draft.scores is not None:
-                    conf[row, :n] = draft.scores
-                self.stats["drafted_rows"] += 1
-                self.stats["draft_tokens"] += n
-        self.drafts[:num_reqs].copy_(torch.from_numpy(out))
-        self.draft_token_confidence_probs[:num_reqs].copy_(torch.from_numpy(conf))
+        if self.drafting_rank:
+            idx = input_batch.idx_mapping.long()
+            self._drain()                                   # step t - 1's block
+            self._stage_block(idx, input_batch)             # step t's, read next step
+            self._build()                                   # new requests' automata
+            buf = self._candidates(input_batch)
+            self._select(idx, n, num_sampled, last_sampled, buf)
+        if self.tp_group is not None:
+            self.tp_group.broadcast(self.drafts[:n], src=0)
+            self.tp_group.broadcast(self.draft_token_confidence_probs[:n], src=0)
+        spent = time.perf_counter() - started
         self.stats["steps"] += 1
-        self.stats["rows"] += num_reqs
-        self.stats["copy_seconds"] += copied - started
-        self.stats["host_seconds"] += time.perf_counter() - started
-        self.malloc_trim.maybe(idle=False)
-        return self.drafts[:num_reqs]
+        self.stats["rows"] += n
+        self.stats["host_seconds"] += spent
+        self.stats["max_host_seconds"] = max(self.stats["max_host_seconds"], spent)
+        return self.drafts[:n]
 
-    def _step_block(self, idx_mapping: torch.Tensor, num_sampled: torch.Tensor,
-                    last_sampled: torch.Tensor) -> np.ndarray:
-        """``[num_reqs, 3 + window]`` int64 on the host: token count, sampled
-        count, last sampled token and the newest ``window`` tokens of each
-        batch row (-2 before a request's first token). One gather, one copy."""
+    def _ready(self, event: Any) -> bool:
+        return event is None or event.query()
+
+    def _record(self) -> Any:
+        if not self._events:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    def _stage_block(self, idx: torch.Tensor, input_batch: Any) -> None:
+        """Enqueue this step's block to the host: per row, its token count and
+        its newest ``window`` tokens (-2 before a request's first token)."""
         rs = self.req_states
-        idx = idx_mapping.long()
+        n = input_batch.num_reqs
         total = rs.total_len.gpu[idx].long()
-        positions = total[:, None] + self._cols[None, :]
+        positions = total[:, None] + self._block_cols[None, :]
         tokens = rs.all_token_ids.gpu[idx[:, None], positions.clamp(min=0)].long()
         tokens = torch.where(positions >= 0, tokens, -2)
-        head = torch.stack([total, num_sampled.long(), last_sampled.view(-1)[idx].long()], 1)
-        return torch.cat([head, tokens], 1).cpu().numpy()
+        buf = self._next_buf
+        self._next_buf ^= 1
+        self._block_host[buf][:n].copy_(torch.cat([total[:, None], tokens], 1),
+                                        non_blocking=True)
+        self._pending = _Block(list(input_batch.req_ids), np.array(input_batch.idx_mapping_np),
+                               buf, self._record())
 
-    def _history(self, slot: int, start: int, end: int) -> np.ndarray:
-        """Tokens ``start:end`` of the request in ``slot`` (one copy)."""
-        return self.req_states.all_token_ids.gpu[slot, start:end].cpu().numpy()
+    def _drain(self, only: set[str] | None = None) -> None:
+        """Bring the proposer up to the last step block, if its copy is done
+        (``only``: just these requests' rows; the others are read later)."""
+        block = self._pending
+        if block is None:
+            return
+        if not self._ready(block.event):
+            self.stats["blocks_not_ready"] += 1
+            return
+        if only is None:
+            self._pending = None
+        rows = self._block_np[block.buf]
+        slot_of = self.req_states.req_id_to_index
+        for row, req_id in enumerate(block.req_ids):
+            if req_id in block.read or (only is not None and req_id not in only):
+                continue
+            block.read.add(req_id)
+            # a request preempted since (its slot freed or given to another)
+            if req_id in self.containment or slot_of.get(req_id) != int(block.slots[row]):
+                continue
+            try:
+                self._follow(req_id, int(block.slots[row]), rows[row])
+            except Exception as e:  # noqa: BLE001 - one request's failure stays its own
+                self._fault(req_id, "observe", e)
 
-    def _follow(self, req_id: str, slot: int, total: int, window: np.ndarray | None) -> bool:
-        """Bring the proposer up to the slot's ``total`` tokens: observe the
-        new ones (from ``window``, the newest tokens, when they continue what
-        it saw) or start the request from its whole history. Returns False
-        when a placeholder (-1) stops it short of ``total``."""
-        held = self._rows.get(slot)
-        if held is not None and held[0] != req_id:   # the slot changed hands unseen
-            self._forget(held[0])
-            held = None
-        new = None
-        if held is not None and 1 <= held[1] <= total:
-            seen, last = held[1], held[2]
-            if window is not None and total - seen < self.window:
-                check = window[self.window - (total - seen) - 1]
-                if check == last:
-                    new = window[self.window - (total - seen):]
-            if new is None:
-                got = self._history(slot, seen - 1, total)
-                if got[0] == last:
-                    new = got[1:]
-        if new is not None:
-            stop = _placeholder(new)
-            if stop:
-                self.proposer.observe(req_id, new[:stop].tolist())
-            if stop < len(new):
-                self._rows[slot] = (req_id, seen + stop, int(new[stop - 1]) if stop else last)
-                return False
-            self._rows[slot] = (req_id, total, int(new[-1]) if len(new) else last)
-            return True
-        history = self._history(slot, 0, total)
-        stop = _placeholder(history)
-        if req_id in self._slots:
-            self._rows.pop(self._slots[req_id], None)
-            self.proposer.finish(req_id)
-        info = RequestInfo(tenant=self.tenant,
-                           num_prompt_tokens=int(self.req_states.prompt_len.np[slot]))
-        start_request(self.proposer, req_id, history[:stop].tolist(), info)
-        self.stats["starts"] += 1
-        self._slots[req_id] = slot
-        self._rows[slot] = (req_id, stop, int(history[stop - 1]) if stop else -2)
-        return stop == total
+    def _follow(self, req_id: str, slot: int, row: np.ndarray) -> None:
+        total, window = int(row[0]), row[1:]
+        req = self._reqs.get(req_id)
+        if req is not None and req.slot != slot:     # re-added elsewhere
+            self._forget(req_id)
+            req = None
+        if req is None:
+            self._schedule_history(req_id, slot, total)
+            return
+        if req.job is not None:                      # building: keep the newest tokens
+            job = req.job
+            have = job.end + len(job.tail)
+            new = total - have
+            if 0 < new < self.window:
+                job.tail.extend(int(t) for t in window[self.window - new:])
+            elif new >= self.window:
+                job.broken = True
+            return
+        new = total - req.seen
+        if new <= 0:
+            return
+        if new < self.window and window[self.window - new - 1] == req.last:
+            tokens = window[self.window - new:]
+            self.proposer.observe(req_id, tokens.tolist())
+            req.seen, req.last = total, int(tokens[-1])
+            return
+        # out of step (a gap the window does not cover): start again from history
+        self._forget(req_id)
+        self._schedule_history(req_id, slot, total)
 
-    def _catch_up(self, slot: int) -> None:
-        req_id = self._rows[slot][0]
-        total = int(self.req_states.total_len.gpu[slot])
-        self._follow(req_id, slot, total, None)
+    def _schedule_history(self, req_id: str, slot: int, end: int) -> None:
+        """Enqueue a copy of the slot's tokens ``[0, end)`` to the host."""
+        if not self._free_stage or end <= 0:
+            return                                   # a later step's block retries
+        stage = self._free_stage.pop()
+        rs = self.req_states
+        self._stage[stage, :end].copy_(rs.all_token_ids.gpu[slot, :end], non_blocking=True)
+        self._reqs[req_id] = _Req(slot, job=_Job(stage, end, self._record()))
+        self._slot_req[slot] = req_id
+        self.stats["history_copies"] += 1
 
-    def _propose_row(self, req_id: str, slot: int, block: np.ndarray, budget: int) -> Draft:
-        """Follow the row's tokens and draft up to ``budget`` tokens, cut at
-        max_tokens (as the V1 adapter's drafter does). A row still
-        prefilling (nothing sampled this step) is not followed yet: the
-        proposer starts at the request's first sampled token, as on V1."""
-        if int(block[_SAMPLED]) <= 0:
-            return Draft.empty()
-        total = int(block[_TOTAL])
-        if not self._follow(req_id, slot, total, block[_HEAD:]):
-            self.stats["placeholder_rows"] += 1
-            return Draft.empty()
+    def _build(self) -> None:
+        """Feed copied histories to the proposer, at most
+        ``BUILD_TOKENS_PER_STEP`` tokens this step over all requests."""
+        budget = BUILD_TOKENS_PER_STEP
+        for req_id, req in list(self._reqs.items()):
+            job = req.job
+            if job is None or budget <= 0 or not self._ready(job.event):
+                continue
+            if job.broken:
+                self._forget(req_id)
+                continue
+            try:
+                take = min(budget, job.end - job.done)
+                chunk = self._stage_np[job.row, job.done:job.done + take].tolist()
+                if job.done == 0:
+                    prompt = int(self.req_states.prompt_len.np[req.slot])
+                    start_request(self.proposer, req_id, chunk,
+                                  RequestInfo(tenant=self.tenant, num_prompt_tokens=prompt))
+                    self.stats["starts"] += 1
+                elif chunk:
+                    self.proposer.observe(req_id, chunk)
+                job.done += take
+                budget -= take
+                self.stats["build_tokens"] += take
+                if job.done == job.end:
+                    if job.tail:
+                        self.proposer.observe(req_id, job.tail)
+                    tokens = job.end + len(job.tail)
+                    req.last = job.tail[-1] if job.tail else int(
+                        self._stage_np[job.row, job.end - 1])
+                    req.seen = tokens
+                    req.job = None
+                    self._free_stage.append(job.row)
+            except Exception as e:  # noqa: BLE001
+                self._fault(req_id, "start", e)
+
+    def _candidates(self, input_batch: Any) -> int:
+        """Each row's chain from what the proposer knows, to the device
+        (asynchronously, from a host buffer not in use by a copy in flight).
+        Returns the buffer's index, or -1 when none was free."""
+        n = input_batch.num_reqs
+        buf = self._next_buf     # the block took the other one this step
+        if not self._ready(self._cand_events[buf]):
+            self.stats["blocks_not_ready"] += 1
+            return -1
+        chain, meta, conf = self._cand_np[buf]
+        meta[:n] = 0
+        for row in range(n):
+            req_id = input_batch.req_ids[row]
+            req = self._reqs.get(req_id)
+            if req is None or req.job is not None or req_id in self.containment:
+                continue
+            if req.slot != int(input_batch.idx_mapping_np[row]):
+                continue
+            try:
+                draft = self._chain(req_id, req)
+            except Exception as e:  # noqa: BLE001
+                self._fault(req_id, "propose", e)
+                continue
+            m = len(draft)
+            if m:
+                chain[row, :m] = draft.tokens
+                conf[row, :m] = 0.0 if draft.scores is None else draft.scores
+                meta[row] = (req.seen, m)
+                self.stats["candidate_rows"] += 1
+                self.stats["candidate_tokens"] += m
+        hchain, hmeta, hconf = self._cand_host[buf]
+        self._cand[:n].copy_(hchain[:n], non_blocking=True)
+        self._cand_meta[:n].copy_(hmeta[:n], non_blocking=True)
+        self._cand_conf[:n].copy_(hconf[:n], non_blocking=True)
+        self._cand_events[buf] = self._record()
+        return buf
+
+    def _chain(self, req_id: str, req: _Req) -> Draft:
+        """The proposer's chain from the request's ``seen`` tokens, cut at
+        ``max_tokens`` and at the first id outside the vocabulary."""
+        # index i of the chain is position seen + i; a draft position p is
+        # committable while p < max_seq_len - 1 (the step's own token last)
+        room = int(self.req_states.max_seq_len[req.slot]) - 1 - req.seen
+        budget = min(self.span, room)
         if budget <= 0:
             return Draft.empty()
         draft = self.proposer.propose(req_id, budget)
-        # the deepest position that can still be committed within max_tokens
-        room = max(int(self.req_states.max_seq_len[slot]) - total - 1, 0)
-        if len(draft) > room:
-            draft = Draft(draft.tokens[:room], None,
-                          None if draft.scores is None else draft.scores[:room])
+        tokens = draft.tokens
+        bad = np.flatnonzero((tokens < 0) | (tokens >= self.vocab_size))
+        keep = min(len(tokens), budget, int(bad[0]) if bad.size else len(tokens))
+        if keep < len(tokens):
+            draft = Draft(tokens[:keep], None,
+                          None if draft.scores is None else draft.scores[:keep])
             self.proposer.draft_cut(req_id, draft)
         return draft
 
-    def _forget(self, req_id: str) -> None:
-        slot = self._slots.pop(req_id, None)
-        if slot is not None and self._rows.get(slot, ("",))[0] == req_id:
-            del self._rows[slot]
+    def _select(self, idx: torch.Tensor, n: int, num_sampled: torch.Tensor,
+                last_sampled: torch.Tensor, buf: int) -> None:
+        """On the device: each row's draft is its chain after the tokens
+        actually committed, where the chain holds them; filler elsewhere."""
+        rs = self.req_states
+        filler = last_sampled.view(-1)[idx].long()
+        if buf < 0:
+            self.drafts[:n] = filler[:, None]
+            self.draft_token_confidence_probs[:n] = 0.0
+            return
+        chain = self._cand[:n]
+        base, length = self._cand_meta[:n, 0], self._cand_meta[:n, 1]
+        total = rs.total_len.gpu[idx].long()
+        m = total - base                                      # tokens committed since base
+        positions = (base[:, None] + self._span_cols[None, :]).clamp(
+            max=rs.all_token_ids.gpu.shape[1] - 1)
+        committed = rs.all_token_ids.gpu[idx[:, None], positions].long()
+        known = self._span_cols[None, :] < m[:, None]
+        agree = ((committed == chain) | ~known).all(1)
+        hit = agree & (length > m) & (m >= 0) & (num_sampled.view(-1)[:n] > 0)
+        cols = m[:, None] + self._k_cols[None, :]
+        valid = hit[:, None] & (cols < length[:, None])
+        cols = cols.clamp(0, self.span - 1)
+        # where the chain misses the committed tokens (after a rejection,
+        # mostly): re-anchor on the device, in the chain and the row's own
+        # history, after the last earlier occurrence of its newest tokens
+        back, back_valid = self._reanchor(idx, total, chain, length)
+        back_valid &= (~hit)[:, None] & (num_sampled.view(-1)[:n] > 0)[:, None]
+        self.drafts[:n] = torch.where(valid, chain.gather(1, cols),
+                                      torch.where(back_valid, back, filler[:, None]))
+        self.draft_token_confidence_probs[:n] = torch.where(
+            valid, self._cand_conf[:n].gather(1, cols), 0.0)
+
+    def _reanchor(self, idx: torch.Tensor, total: torch.Tensor, chain: torch.Tensor,
+                  length: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row, on the device: the K tokens after the rightmost earlier
+        occurrence of the row's newest ``n`` tokens in its history then its
+        chain (so the chain's wins a tie), for the largest ``n`` in
+        ``REANCHOR_NGRAM`` that occurs, as vLLM's ngram drafts; and which of
+        those tokens exist. ``[rows, K]`` each."""
+        history = self.req_states.all_token_ids.gpu[idx].long()      # [rows, L]
+        rows, width = history.shape
+        device = history.device
+        hpos = torch.arange(width, device=device)
+        history = torch.where(hpos[None, :] < total[:, None], history, -5)
+        chain = torch.where(self._span_cols[None, :] < length[:, None], chain, -6)
+        # one sentinel column last: a continuation clamped past the end reads it
+        seq = torch.cat([history, chain, torch.full_like(chain[:, :1], -7)], 1)
+        size_all = seq.shape[1]
+        positions = torch.arange(size_all, device=device)
+        # a match must leave a token after it in its part (in the history,
+        # it ends before the row's newest token: not the query itself)
+        limit = torch.where(positions[None, :] < width, (total - 1)[:, None],
+                            (width + length - 1)[:, None])
+        found = torch.zeros(rows, dtype=torch.bool, device=device)
+        start = torch.zeros(rows, dtype=torch.long, device=device)
+        for size in REANCHOR_NGRAM:                                  # longest first
+            query = seq.gather(1, (total[:, None] - size + torch.arange(
+                size, device=device)[None, :]).clamp(min=0))
+            span = size_all - size + 1
+            match = positions[None, :span] + size <= limit[:, :span]
+            for j in range(size):
+                match &= seq[:, j:span + j] == query[:, j:j + 1]
+            score = torch.where(match, positions[None, :span] + 1, 0).amax(1)
+            take = (score > 0) & ~found & (total > size)
+            start = torch.where(take, score - 1 + size, start)
+            found |= take
+        cols = (start[:, None] + self._k_cols[None, :]).clamp(max=size_all - 1)
+        out = seq.gather(1, cols)
+        return out, found[:, None] & (out >= 0)
+
+    def _fault(self, req_id: str, hook: str, error: BaseException) -> None:
+        self.containment.request_fault(req_id, hook, error)
+        self._forget(req_id)
+
+    def _forget(self, req_id: str, finish: bool = True) -> None:
+        req = self._reqs.pop(req_id, None)
+        if req is None:
+            return
+        if self._slot_req.get(req.slot) == req_id:
+            del self._slot_req[req.slot]
+        if req.job is not None:
+            self._free_stage.append(req.job.row)
+            if req.job.done == 0:
+                return                                # the proposer never saw it
+        if not finish:
+            return
         try:
             self.proposer.finish(req_id)
         except Exception as e:  # noqa: BLE001 - freeing one request never stops the engine
             self.containment.request_fault(req_id, "finish", e, finished=True)
-
-
-def _placeholder(tokens: np.ndarray) -> int:
-    """Index of the first -1 (a token not known yet), or ``len(tokens)``."""
-    hits = np.flatnonzero(tokens == -1)
-    return int(hits[0]) if hits.size else len(tokens)
