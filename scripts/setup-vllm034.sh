@@ -42,7 +42,8 @@ echo "torch $TORCH: $(( $(date +%s) - start )) s"
   pillow prometheus-fastapi-instrumentator tiktoken "llguidance>=1.7,<1.8" "xgrammar==0.2.8" \
   "apache-tvm-ffi==0.1.11" partial-json-parser jsonschema pyzmq msgspec einops cloudpickle \
   pyyaml python-json-logger pybase64 cbor2 ijson setproctitle uvloop lark \
-  gguf accelerate filelock numba pytest hypothesis scipy loguru
+  gguf accelerate filelock numba pytest hypothesis scipy loguru uvicorn watchfiles \
+  "model-hosting-container-standards>=0.1.14,<1.0.0"
 # the engine tier (tests/test_vllm034_engine.py): vLLM's model loader imports
 # compressed-tensors (pinned by vLLM 0.34.0); its torch/transformers are the ones above
 "${PIP[@]}" --no-deps compressed-tensors==0.17.0

@@ -70,6 +70,9 @@ HISTORY_SLOTS = 4
 #: n-gram sizes of the device's re-anchoring (rows whose chain missed the
 #: committed tokens), longest first.
 REANCHOR_NGRAM = (3, 2, 1)
+#: Tokens of finished outputs kept on the device for re-anchoring (a ring:
+#: the oldest are overwritten), with isolation "none" only.
+CORPUS_TOKENS = 1 << 17
 
 
 @dataclass
@@ -175,9 +178,16 @@ class SamSpeculator(BaseSpeculator):
         self._free_stage = list(range(HISTORY_SLOTS))
         self._reqs: dict[str, _Req] = {}
         self._slot_req: dict[int, str] = {}
+        # finished outputs on the device, for re-anchoring (requests share
+        # them only where sam's global store is shared: isolation "none")
+        self._ring = self._ring_age = None
+        self._ring_pos = self._ring_count = 0
+        if self.tenant == () and self.proposer.stores is not None:
+            self._ring = torch.full((CORPUS_TOKENS,), -9, dtype=torch.int64, device=device)
+            self._ring_age = torch.full((CORPUS_TOKENS,), -1, dtype=torch.int64, device=device)
         self.stats = {"steps": 0, "rows": 0, "candidate_rows": 0, "candidate_tokens": 0,
                       "starts": 0, "history_copies": 0, "build_tokens": 0,
-                      "blocks_not_ready": 0, "host_seconds": 0.0,
+                      "blocks_not_ready": 0, "corpus_tokens": 0, "host_seconds": 0.0,
                       "max_host_seconds": 0.0}
 
     def _new_proposer(self):
@@ -217,6 +227,8 @@ class SamSpeculator(BaseSpeculator):
             if req.job is None:
                 try:
                     self.proposer.complete(req_id)
+                    if self._ring is not None:
+                        self._to_corpus(req)
                 except Exception as e:  # noqa: BLE001 - the store misses one document
                     self.containment.request_fault(req_id, "complete", e, finished=True)
             self._forget(req_id)
@@ -227,6 +239,10 @@ class SamSpeculator(BaseSpeculator):
         for req_id in list(self._reqs):
             self._forget(req_id, finish=False)
         self._pending = None
+        if self._ring is not None:
+            self._ring.fill_(-9)
+            self._ring_age.fill_(-1)
+            self._ring_pos = self._ring_count = self.stats["corpus_tokens"] = 0
 
     # --------------------------------------------------------------- drafting
     @torch.inference_mode()
@@ -478,11 +494,12 @@ class SamSpeculator(BaseSpeculator):
 
     def _reanchor(self, idx: torch.Tensor, total: torch.Tensor, chain: torch.Tensor,
                   length: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per row, on the device: the K tokens after the rightmost earlier
-        occurrence of the row's newest ``n`` tokens in its history then its
-        chain (so the chain's wins a tie), for the largest ``n`` in
-        ``REANCHOR_NGRAM`` that occurs, as vLLM's ngram drafts; and which of
-        those tokens exist. ``[rows, K]`` each."""
+        """Per row, on the device: the K tokens after an earlier occurrence of
+        the row's newest ``n`` tokens, for the largest ``n`` in
+        ``REANCHOR_NGRAM`` that occurs (as vLLM's ngram drafts): the
+        rightmost one in the row's history then its chain (the chain's wins a
+        tie), else the newest one in the finished outputs' corpus; and which
+        of those tokens exist. ``[rows, K]`` each."""
         history = self.req_states.all_token_ids.gpu[idx].long()      # [rows, L]
         rows, width = history.shape
         device = history.device
@@ -499,6 +516,8 @@ class SamSpeculator(BaseSpeculator):
                             (width + length - 1)[:, None])
         found = torch.zeros(rows, dtype=torch.bool, device=device)
         start = torch.zeros(rows, dtype=torch.long, device=device)
+        in_corpus = torch.zeros(rows, dtype=torch.bool, device=device)
+        ring = self._ring
         for size in REANCHOR_NGRAM:                                  # longest first
             query = seq.gather(1, (total[:, None] - size + torch.arange(
                 size, device=device)[None, :]).clamp(min=0))
@@ -510,9 +529,53 @@ class SamSpeculator(BaseSpeculator):
             take = (score > 0) & ~found & (total > size)
             start = torch.where(take, score - 1 + size, start)
             found |= take
+            if ring is None:
+                continue
+            # the corpus: windows with a token after them, the newest wins
+            span = ring.shape[0] - size
+            match = (ring[None, size:size + span] >= 0).expand(rows, span).clone()
+            for j in range(size):
+                match &= ring[None, j:span + j] == query[:, j:j + 1]
+            age, where = torch.where(match, self._ring_age[None, :span], -1).max(1)
+            take = (age >= 0) & ~found & (total > size)
+            start = torch.where(take, where + size, start)
+            in_corpus |= take
+            found |= take
         cols = (start[:, None] + self._k_cols[None, :]).clamp(max=size_all - 1)
         out = seq.gather(1, cols)
-        return out, found[:, None] & (out >= 0)
+        ok = out >= 0
+        if ring is not None:
+            from_ring = ring[(start[:, None] + self._k_cols[None, :]) % ring.shape[0]]
+            # a document's continuation stops at its end (a separator or unwritten)
+            ring_ok = (from_ring >= 0).long().cumprod(1).bool()
+            out = torch.where(in_corpus[:, None], from_ring, out)
+            ok = torch.where(in_corpus[:, None], ring_ok, ok)
+        return out, found[:, None] & ok
+
+    def _to_corpus(self, req: _Req) -> None:
+        """A finished request's output (still in its slot) appended to the
+        corpus ring on the device, then a separator; oldest tokens overwritten."""
+        ring = self._ring
+        first = int(self.req_states.prompt_len.np[req.slot])
+        end = req.seen
+        size = ring.shape[0]
+        first = max(first, end - (size - 1))
+        n = end - first
+        if n <= 0:
+            return
+        tokens = torch.cat([self.req_states.all_token_ids.gpu[req.slot, first:end].long(),
+                            torch.full((1,), -8, dtype=torch.long, device=ring.device)])
+        ages = torch.arange(self._ring_count, self._ring_count + n + 1, device=ring.device)
+        ages[-1] = -1                                       # a separator is never matched
+        self._ring_count += n + 1
+        head = min(n + 1, size - self._ring_pos)
+        ring[self._ring_pos:self._ring_pos + head] = tokens[:head]
+        self._ring_age[self._ring_pos:self._ring_pos + head] = ages[:head]
+        if head < n + 1:
+            ring[:n + 1 - head] = tokens[head:]
+            self._ring_age[:n + 1 - head] = ages[head:]
+        self._ring_pos = (self._ring_pos + n + 1) % size
+        self.stats["corpus_tokens"] = min(self.stats["corpus_tokens"] + n, size)
 
     def _fault(self, req_id: str, hook: str, error: BaseException) -> None:
         self.containment.request_fault(req_id, hook, error)
