@@ -187,7 +187,8 @@ class SamSpeculator(BaseSpeculator):
             self._ring_age = torch.full((CORPUS_TOKENS,), -1, dtype=torch.int64, device=device)
         self.stats = {"steps": 0, "rows": 0, "candidate_rows": 0, "candidate_tokens": 0,
                       "starts": 0, "history_copies": 0, "build_tokens": 0,
-                      "blocks_not_ready": 0, "corpus_tokens": 0, "host_seconds": 0.0,
+                      "blocks_not_ready": 0, "corpus_tokens": 0, "device_op_seconds": 0.0,
+                      "host_seconds": 0.0,
                       "max_host_seconds": 0.0}
 
     def _new_proposer(self):
@@ -264,7 +265,10 @@ class SamSpeculator(BaseSpeculator):
             self._stage_block(idx, input_batch)             # step t's, read next step
             self._build()                                   # new requests' automata
             buf = self._candidates(input_batch)
+            ops = time.perf_counter()
             self._select(idx, n, num_sampled, last_sampled, buf)
+            # enqueued on a GPU (launches only); run inline on a CPU device
+            self.stats["device_op_seconds"] += time.perf_counter() - ops
         if self.tp_group is not None:
             self.tp_group.broadcast(self.drafts[:n], src=0)
             self.tp_group.broadcast(self.draft_token_confidence_probs[:n], src=0)
