@@ -40,6 +40,25 @@ def tau_of(llm, run) -> tuple[float, dict, list]:
     return generated / steps, delta, outs
 
 
+def step_with_abort(engine, prompts: dict, params, abort_after: int,
+                    abort: list[str]) -> dict[str, list[int]]:
+    """Add ``prompts`` (request id -> prompt) to a vLLM ``LLMEngine``, step it
+    until nothing is left, aborting the requests ``abort`` after step
+    ``abort_after``; returns the token ids of each request that finished."""
+    for req_id, prompt in prompts.items():
+        engine.add_request(req_id, prompt, params)
+    done: dict[str, list[int]] = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+        steps += 1
+        if steps == abort_after:
+            engine.abort_request(abort)
+    return done
+
+
 def pick(prompts: list[dict], categories: list[str], per_category: int) -> list[dict]:
     out, seen = [], {}
     for p in prompts:

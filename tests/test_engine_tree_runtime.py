@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import chat, pick
+from helpers import chat, pick, step_with_abort
 
 pytestmark = pytest.mark.engine
 
@@ -78,19 +78,10 @@ def test_abort_mid_stream_leaves_the_others_intact(get_llm, prompts):
     sp = SamplingParams(temperature=0, max_tokens=40)
     ref = get_llm("plain").generate([TokensPrompt(prompt_token_ids=t) for t in token_prompts],
                                     sp, use_tqdm=False)
-    engine = llm.llm_engine
     ids = [f"abort-test-{i}" for i in range(len(token_prompts))]
-    for rid, t in zip(ids, token_prompts):
-        engine.add_request(rid, TokensPrompt(prompt_token_ids=t), sp)
-    done: dict[str, list[int]] = {}
-    steps = 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = list(out.outputs[0].token_ids)
-        steps += 1
-        if steps == 6:
-            engine.abort_request([ids[1]])
+    done = step_with_abort(llm.llm_engine, {rid: TokensPrompt(prompt_token_ids=t)
+                                            for rid, t in zip(ids, token_prompts)},
+                           sp, 6, [ids[1]])
     assert ids[1] not in done
     assert done[ids[0]] == list(ref[0].outputs[0].token_ids)
     assert done[ids[2]] == list(ref[2].outputs[0].token_ids)

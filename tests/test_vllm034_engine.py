@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 import vllm034_env
+from helpers import step_with_abort
 
 pytestmark = [pytest.mark.vllm034, pytest.mark.engine]
 
@@ -226,20 +227,11 @@ def test_abort_mid_decode_leaves_the_others_exact():
 
     plain = plain_greedy("main", PROMPTS)
     llm = engine("sam", sam_spec())
-    eng = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     ids = [f"abort-{i}" for i in range(len(PROMPTS))]
-    for rid, prompt in zip(ids, PROMPTS):
-        eng.add_request(rid, {"prompt_token_ids": prompt}, params)
-    done: dict[str, list[int]] = {}
-    steps = 0
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                done[out.request_id] = list(out.outputs[0].token_ids)
-        steps += 1
-        if steps == 4:
-            eng.abort_request([ids[0], ids[3]])
+    done = step_with_abort(llm.llm_engine, {rid: {"prompt_token_ids": prompt}
+                                            for rid, prompt in zip(ids, PROMPTS)},
+                           params, 4, [ids[0], ids[3]])
     for i, rid in enumerate(ids):
         if i in (0, 3):
             assert rid not in done or len(done[rid]) < MAX_TOKENS

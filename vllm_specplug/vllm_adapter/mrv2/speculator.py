@@ -133,20 +133,21 @@ class SamSpeculator(BaseSpeculator):
 
             self.tp_group = get_tp_group()
         self.drafting_rank = self.tp_group is None or self.tp_group.rank_in_group == 0
+        # the host's chain: the tokens a step can commit (K + 1), then K
+        self.span = 2 * self.k + 1
         self.proposer = self._new_proposer()
         # numba kernels compile now, not in the first requests
         warm_up(self.plugin)
         self.containment = faults.Containment(self.method)
-        # the host's chain: the tokens a step can commit (K + 1), then K
-        self.span = 2 * self.k + 1
         # newest tokens per row in a step block: what a step commits, and one
         # the proposer has already, to check they continue what it saw
         self.window = self.k + 2
-        pin = device.type == "cuda"
-        self._events = device.type == "cuda"
+        # pinned host buffers and events on a GPU; on a CPU device copies are
+        # synchronous and nothing is ever in flight
+        self._cuda = device.type == "cuda"
 
         def host(*shape, dtype=torch.int64):
-            return torch.zeros(shape, dtype=dtype, pin_memory=pin)
+            return torch.zeros(shape, dtype=dtype, pin_memory=self._cuda)
 
         # device outputs
         self.drafts = torch.zeros((max_num_reqs, self.k), dtype=torch.int64, device=device)
@@ -192,8 +193,8 @@ class SamSpeculator(BaseSpeculator):
                       "max_host_seconds": 0.0}
 
     def _new_proposer(self):
-        # the chain is 2K + 1 tokens long (the proposer caps drafts at its K)
-        proposer = build_proposer({**self.plugin, "num_speculative_tokens": 2 * self.k + 1})
+        # the chain is ``span`` tokens long (the proposer caps drafts at its K)
+        proposer = build_proposer({**self.plugin, "num_speculative_tokens": self.span})
         # every slot of the step's K is verified: longer drafts cost nothing more
         proposer.relative_token_cost = 0.0
         return proposer
@@ -261,12 +262,13 @@ class SamSpeculator(BaseSpeculator):
         started = time.perf_counter()
         if self.drafting_rank:
             idx = input_batch.idx_mapping.long()
+            total = self.req_states.total_len.gpu[idx].long()   # each row's tokens now
             self._drain()                                   # step t - 1's block
-            self._stage_block(idx, input_batch)             # step t's, read next step
+            self._stage_block(idx, total, input_batch)      # step t's, read next step
             self._build()                                   # new requests' automata
             buf = self._candidates(input_batch)
             ops = time.perf_counter()
-            self._select(idx, n, num_sampled, last_sampled, buf)
+            self._select(idx, total, n, num_sampled, last_sampled, buf)
             # enqueued on a GPU (launches only); run inline on a CPU device
             self.stats["device_op_seconds"] += time.perf_counter() - ops
         if self.tp_group is not None:
@@ -283,18 +285,17 @@ class SamSpeculator(BaseSpeculator):
         return event is None or event.query()
 
     def _record(self) -> Any:
-        if not self._events:
+        if not self._cuda:
             return None
         event = torch.cuda.Event()
         event.record()
         return event
 
-    def _stage_block(self, idx: torch.Tensor, input_batch: Any) -> None:
+    def _stage_block(self, idx: torch.Tensor, total: torch.Tensor, input_batch: Any) -> None:
         """Enqueue this step's block to the host: per row, its token count and
         its newest ``window`` tokens (-2 before a request's first token)."""
         rs = self.req_states
         n = input_batch.num_reqs
-        total = rs.total_len.gpu[idx].long()
         positions = total[:, None] + self._block_cols[None, :]
         tokens = rs.all_token_ids.gpu[idx[:, None], positions.clamp(min=0)].long()
         tokens = torch.where(positions >= 0, tokens, -2)
@@ -463,8 +464,8 @@ class SamSpeculator(BaseSpeculator):
             self.proposer.draft_cut(req_id, draft)
         return draft
 
-    def _select(self, idx: torch.Tensor, n: int, num_sampled: torch.Tensor,
-                last_sampled: torch.Tensor, buf: int) -> None:
+    def _select(self, idx: torch.Tensor, total: torch.Tensor, n: int,
+                num_sampled: torch.Tensor, last_sampled: torch.Tensor, buf: int) -> None:
         """On the device: each row's draft is its chain after the tokens
         actually committed, where the chain holds them; filler elsewhere."""
         rs = self.req_states
@@ -475,14 +476,14 @@ class SamSpeculator(BaseSpeculator):
             return
         chain = self._cand[:n]
         base, length = self._cand_meta[:n, 0], self._cand_meta[:n, 1]
-        total = rs.total_len.gpu[idx].long()
         m = total - base                                      # tokens committed since base
         positions = (base[:, None] + self._span_cols[None, :]).clamp(
             max=rs.all_token_ids.gpu.shape[1] - 1)
         committed = rs.all_token_ids.gpu[idx[:, None], positions].long()
         known = self._span_cols[None, :] < m[:, None]
         agree = ((committed == chain) | ~known).all(1)
-        hit = agree & (length > m) & (m >= 0) & (num_sampled.view(-1)[:n] > 0)
+        sampled = num_sampled.view(-1)[:n] > 0             # rows still prefilling: filler
+        hit = agree & (length > m) & (m >= 0) & sampled
         cols = m[:, None] + self._k_cols[None, :]
         valid = hit[:, None] & (cols < length[:, None])
         cols = cols.clamp(0, self.span - 1)
@@ -490,7 +491,7 @@ class SamSpeculator(BaseSpeculator):
         # mostly): re-anchor on the device, in the chain and the row's own
         # history, after the last earlier occurrence of its newest tokens
         back, back_valid = self._reanchor(idx, total, chain, length)
-        back_valid &= (~hit)[:, None] & (num_sampled.view(-1)[:n] > 0)[:, None]
+        back_valid &= (~hit & sampled)[:, None]
         self.drafts[:n] = torch.where(valid, chain.gather(1, cols),
                                       torch.where(back_valid, back, filler[:, None]))
         self.draft_token_confidence_probs[:n] = torch.where(
