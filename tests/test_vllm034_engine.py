@@ -135,6 +135,17 @@ def greedy(llm, prompts, max_tokens: int = MAX_TOKENS, **params) -> list[list[in
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
+def greedy_counted(llm, prompts) -> tuple[list[list[int]], int, int]:
+    """Greedy outputs, and the draft tokens vLLM counted accepted and
+    drafted while producing them."""
+    before = spec_counts(llm)
+    outs = greedy(llm, prompts)
+    counts = spec_counts(llm)
+    accepted, drafted = (counts[k] - before.get(k, 0) for k in (
+        "spec_decode_num_accepted_tokens", "spec_decode_num_draft_tokens"))
+    return outs, accepted, drafted
+
+
 _PLAIN: dict[str, list] = {}
 
 
@@ -163,19 +174,38 @@ def test_plain_engine_on_the_stand_ins_matches_transformers():
 def test_sam_greedy_is_plain_decoding_with_accepted_drafts():
     plain = plain_greedy("main", PROMPTS)
     llm = engine("sam", sam_spec())
-    before = spec_counts(llm)
-    outs = greedy(llm, PROMPTS)
-    counts = spec_counts(llm)
+    outs, accepted, drafted = greedy_counted(llm, PROMPTS)
     assert outs == plain
-    accepted = counts["spec_decode_num_accepted_tokens"] - before.get(
-        "spec_decode_num_accepted_tokens", 0)
-    drafted = counts["spec_decode_num_draft_tokens"] - before.get(
-        "spec_decode_num_draft_tokens", 0)
     # 2026-12-06 (this file's first run): 118 of 504 slots accepted; a
     # proposer whose drafts are shifted, reversed or never used accepts few
     print(f"sam K={K}: accepted {accepted} of {drafted} draft slots", file=sys.stderr)
     assert accepted >= 60, (accepted, drafted)
     freed_after_next_step(llm)
+
+
+@pytest.mark.parametrize("method,isolation,floor", [
+    ("token_recycling", "none", 40),
+    ("token_recycling", "request", 30),
+    ("sam_tr", "none", 60),
+])
+def test_token_recycling_chains_are_plain_decoding_with_accepted_drafts(method, isolation,
+                                                                        floor):
+    """Token Recycling on MRV2 (the target's argmax per token on the device,
+    from its own lm_head through the load_model patch) and sam_tr: greedy
+    output token-identical to plain decoding, with a floor on accepted drafts
+    (a table never learned, a chain walked from the wrong token or shifted
+    by one accepts far fewer)."""
+    plain = plain_greedy("main", PROMPTS)
+    llm = engine(f"{method}-{isolation}",
+                 {"method": method, "num_speculative_tokens": K,
+                  "speculator_options": {"isolation": isolation}})
+    outs, accepted, drafted = greedy_counted(llm, PROMPTS)
+    assert outs == plain
+    stats = llm.collective_rpc(lambda w: w.model_runner.speculator.recycling.stats())[0]
+    print(f"{method} ({isolation}) K={K}: accepted {accepted} of {drafted} draft slots; "
+          f"{stats}", file=sys.stderr)
+    assert stats["tr_learned_positions"] > 0 and stats["tr_rows"] > 0, stats
+    assert accepted >= floor, (accepted, drafted)
 
 
 def test_n_greater_than_one_and_stop_strings():

@@ -5,7 +5,11 @@ speculators register through ``register_speculative_method`` (documented by
 vLLM as experimental). ``REGISTRATIONS`` lists every vLLM name this adapter
 registers into, subclasses or calls, and ``READS`` every attribute of vLLM's
 runtime objects it reads; ``check_targets`` checks them all at plugin load
-and fails naming what is missing. Nothing of vLLM is monkey-patched.
+and fails naming what is missing. One method of vLLM is patched
+(``PATCHES``): the model runner's ``load_model`` hands the target module to
+our speculator, whose Token Recycling scores hidden states with the target's
+own lm_head (vLLM 0.34 gives the target module only to draft-model
+speculators, and its runner's logits to none).
 
 ``install()`` registers every built-in method name with one config class,
 ``config.SpecPlugSpeculatorConfig``: ``CHAIN_METHODS`` run (through
@@ -30,23 +34,20 @@ SPECULATOR_MODULE = f"{SPEC_DECODE}.speculator"
 STATES_MODULE = "vllm.v1.worker.gpu.states"
 BUFFERS_MODULE = "vllm.v1.worker.gpu.buffer_utils"
 INPUT_BATCH_MODULE = "vllm.v1.worker.gpu.input_batch"
+RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
 
 #: Our SpeculatorConfig and BaseSpeculator, by qualified name (vLLM imports them lazily).
 CONFIG_CLASS_PATH = "vllm_specplug.vllm_adapter.mrv2.config.SpecPlugSpeculatorConfig"
 SPECULATOR_CLASS_PATH = "vllm_specplug.vllm_adapter.mrv2.speculator.SamSpeculator"
 
-#: Methods that run on vLLM 0.34 (chains drafted from token history alone).
-CHAIN_METHODS = ("sam",)
+#: Methods that run on vLLM 0.34, as chains (``sam`` from token history;
+#: ``token_recycling`` from the target's argmax per token, on the device;
+#: ``sam_tr`` either one's chain, by sam's match length).
+CHAIN_METHODS = ("sam", "token_recycling", "sam_tr")
 _TREES = ("tree verification: vLLM 0.34's Model Runner V2 verifies chains only "
           "(one K per step, no tree attention, no custom verification)")
 #: Built-in methods refused on vLLM 0.34, with the reason.
 REFUSED = {
-    "token_recycling": "it drafts from the target's per-position top-k and verifies "
-                       "trees; vLLM 0.34's speculators get no target logits and its runner "
-                       "has no " + _TREES.split(":")[0],
-    "sam_tr": "its fallback drafts Token Recycling trees from the target's top-k; "
-              "vLLM 0.34's speculators get no target logits and its runner has no "
-              + _TREES.split(":")[0],
     "eagle2": "it needs " + _TREES,
     "sam_eagle2": "it needs " + _TREES,
     "del": "it runs the target's first layers and writes their KV cache, which needs "
@@ -165,6 +166,47 @@ READS = (
                  "batch row -> request id", instance=True),
     Registration("InputBatch.num_reqs", INPUT_BATCH_MODULE, "InputBatch", "num_reqs",
                  "rows this step", instance=True),
+    Registration("InputBatch.num_tokens", INPUT_BATCH_MODULE, "InputBatch", "num_tokens",
+                 "tokens this step (Token Recycling's prompt bigrams)", instance=True),
+    Registration("InputBatch.input_ids", INPUT_BATCH_MODULE, "InputBatch", "input_ids",
+                 "the tokens fed: what each scored position follows", instance=True),
+    Registration("InputBatch.positions", INPUT_BATCH_MODULE, "InputBatch", "positions",
+                 "each token's position (prompt bigrams: prompt tokens only)", instance=True),
+    Registration("InputBatch.query_start_loc", INPUT_BATCH_MODULE, "InputBatch",
+                 "query_start_loc", "each row's first token in the batch", instance=True),
+    Registration("InputBatch.logits_indices", INPUT_BATCH_MODULE, "InputBatch",
+                 "logits_indices", "the positions the step scored (verified)", instance=True),
+    Registration("InputBatch.expanded_idx_mapping", INPUT_BATCH_MODULE, "InputBatch",
+                 "expanded_idx_mapping", "scored position -> request-state slot",
+                 instance=True),
+    Registration("UvaBackedTensor.gpu", BUFFERS_MODULE, "UvaBackedTensor", "gpu",
+                 "prompt_len on the device (prompt bigrams)", instance=True),
+    Registration("GPUModelRunner.speculator", RUNNER_MODULE, "GPUModelRunner", "speculator",
+                 "the speculator the load_model patch hands the target to", instance=True),
+    Registration("GPUModelRunner.model", RUNNER_MODULE, "GPUModelRunner", "model",
+                 "the target module (its compute_logits)", instance=True),
+)
+
+
+def _load_model(original):
+    def load_model(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        from .speculator import SamSpeculator
+
+        if isinstance(self.speculator, SamSpeculator):
+            self.speculator.bind_target(self.model)
+        return out
+    return load_model
+
+
+#: Every patch of vLLM 0.34, with its reason (applied by ``install``).
+PATCHES = (
+    patching.Patch("GPUModelRunner.load_model", RUNNER_MODULE, "GPUModelRunner",
+                   "load_model", _load_model,
+                   "hand the loaded target module to our speculator: Token Recycling "
+                   "(token_recycling, sam_tr) takes the target's argmax at each verified "
+                   "position from its lm_head (vLLM 0.34 gives the target module only to "
+                   "DraftModelSpeculator subclasses, which must also run a draft model)"),
 )
 
 
@@ -183,7 +225,7 @@ def _check_instance(reg: Registration) -> None:
 
 def check_target(reg: Registration) -> None:
     """Raise ``PatchTargetMissing`` naming ``reg`` unless its target exists."""
-    if reg.instance:
+    if isinstance(reg, Registration) and reg.instance:
         _check_instance(reg)
     else:
         patching.check_target(reg)   # module, class, attribute and parameters
@@ -191,7 +233,7 @@ def check_target(reg: Registration) -> None:
 
 def check_targets() -> None:
     """Every ``REGISTRATIONS`` and ``READS`` target, checked; one error lists all missing."""
-    patching.check_targets((*REGISTRATIONS, *READS), check=check_target)
+    patching.check_targets((*REGISTRATIONS, *READS, *PATCHES), check=check_target)
 
 
 def method_names() -> tuple[str, ...]:
@@ -202,6 +244,8 @@ def method_names() -> tuple[str, ...]:
 def install() -> None:
     check_vllm_version()
     check_targets()
+    for patch in PATCHES:
+        patching.apply(patch)
     register = importlib.import_module(SPECULATOR_CONFIG_MODULE).register_speculative_method
     for name in method_names():
         register(name, CONFIG_CLASS_PATH)

@@ -30,6 +30,16 @@ UNSUPPORTED_KEYS = {
                       "to share out; vLLM's own num_speculative_tokens_per_batch_size sets K "
                       "by batch size",
     DISABLE_BY_BATCH_SIZE_KEY: "use vLLM's own num_speculative_tokens_per_batch_size",
+    "tr_template": "vLLM 0.34 verifies one chain a request (no trees): Token Recycling "
+                   "drafts its best path, so no tree template applies",
+    "tr_topk": "as chains, Token Recycling keeps the target's best next token per token "
+               "(its top-1) on vLLM 0.34",
+    "tr_save_matrix": "Token Recycling's table lives on the device on vLLM 0.34 and is not "
+                      "saved; tr_matrix still warm-starts it",
+    "tr_tenants": "vLLM 0.34's speculators cannot tell tenants apart (isolation 'none' or "
+                  "'request' only)",
+    "sam_tr_merge": "vLLM 0.34 verifies one chain a request: sam_tr drafts sam's chain or "
+                    "Token Recycling's, never their union (a tree)",
     "num_speculative_tokens": "give it at the top level of speculative_config",
     "method": "give it at the top level of speculative_config",
 }
@@ -109,8 +119,9 @@ def default_num_speculative_tokens(spec: Any) -> int:
     schedule = spec.num_speculative_tokens_per_batch_size
     if schedule:
         return max(int(entry[2]) for entry in schedule)
-    return min(DEFAULT_K, int(get_proposer_class(spec.custom_method)
-                              .default_num_speculative_tokens))
+    own = get_proposer_class(spec.custom_method).default_num_speculative_tokens
+    # "auto" (tree methods on 0.32: sized each step) has no meaning for one K
+    return DEFAULT_K if own == "auto" else min(DEFAULT_K, int(own))
 
 
 class SpecPlugSpeculatorConfig(SpeculatorConfig):

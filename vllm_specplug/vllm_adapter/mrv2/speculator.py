@@ -57,8 +57,11 @@ from vllm.v1.worker.gpu.spec_decode.speculator import BaseSpeculator
 from ... import faults
 from ...config import build_proposer
 from ...proposers.base import Draft, RequestInfo, start_request
+from ...proposers.sam import SamProposer
+from ...proposers.token_recycling import load_matrix
 from ...warmup import warm_up
 from .config import plugin_config
+from .recycling import DeviceRecycling
 
 logger = logging.getLogger("vllm_specplug")
 
@@ -110,11 +113,24 @@ class _Block:
     read: set[str] = field(default_factory=set)   # rows already followed
 
 
+#: Methods whose chain comes from sam on the host (the rest of this module).
+HOST_SAM = ("sam", "sam_tr")
+#: Methods that draft Token Recycling's chain on the device (recycling.py).
+DEVICE_TR = ("token_recycling", "sam_tr")
+
+
 class SamSpeculator(BaseSpeculator):
+    """``sam``, ``token_recycling`` and ``sam_tr`` on Model Runner V2 (see the
+    module doc; Token Recycling's part: ``recycling.py``). ``sam_tr`` drafts
+    sam's chain where sam's match is at least ``sam_tr_threshold`` tokens long
+    (as the V1 hybrid switches) and Token Recycling's chain otherwise."""
+
     def __init__(self, vllm_config: Any, device: torch.device, req_states: Any) -> None:
         spec = vllm_config.speculative_config
         self.plugin = plugin_config(spec)
         self.method = self.plugin["method"]
+        options = self.plugin["options"]
+        self.threshold = int(options.get("sam_tr_threshold", 0))
         # cross-request memory (docs/security.md): "none": one for every
         # request; "request" (the default on 0.34): none (config.plugin_config)
         self.tenant = () if self.plugin["isolation"] == "none" else None
@@ -137,7 +153,16 @@ class SamSpeculator(BaseSpeculator):
         self.span = 2 * self.k + 1
         self.proposer = self._new_proposer()
         # numba kernels compile now, not in the first requests
-        warm_up(self.plugin)
+        if self.proposer is not None:
+            warm_up(self._sam_plugin())
+        self.recycling = None
+        if self.method in DEVICE_TR:
+            warm = (load_matrix(options["tr_matrix"], 1)
+                    if options.get("tr_matrix") else None)
+            self.recycling = DeviceRecycling(
+                vocab_size=self.vocab_size, max_num_reqs=vllm_config.scheduler_config.max_num_seqs,
+                device=device, shared=self.tenant == (), warm=warm,
+                prompt_bigrams=bool(options["tr_prompt_bigrams"]))
         self.containment = faults.Containment(self.method)
         # newest tokens per row in a step block: what a step commits, and one
         # the proposer has already, to check they continue what it saw
@@ -162,13 +187,14 @@ class SamSpeculator(BaseSpeculator):
         self._pending: _Block | None = None
         # candidates: chain, its base position, its length, its confidences
         # (host in turn, then device)
-        self._cand_host = [(host(max_num_reqs, self.span), host(max_num_reqs, 2),
+        self._cand_host = [(host(max_num_reqs, self.span), host(max_num_reqs, 4),
                             host(max_num_reqs, self.span, dtype=torch.float32))
                            for _ in range(2)]
         self._cand_np = [tuple(t.numpy() for t in bufs) for bufs in self._cand_host]
         self._cand_events: list[Any] = [None, None]
         self._cand = torch.zeros((max_num_reqs, self.span), dtype=torch.int64, device=device)
-        self._cand_meta = torch.zeros((max_num_reqs, 2), dtype=torch.int64, device=device)
+        # per row: base, chain length, max_seq_len, sam's match long (sam_tr)
+        self._cand_meta = torch.zeros((max_num_reqs, 4), dtype=torch.int64, device=device)
         self._cand_conf = torch.zeros((max_num_reqs, self.span), dtype=torch.float32,
                                       device=device)
         self._span_cols = torch.arange(self.span, device=device)
@@ -183,7 +209,7 @@ class SamSpeculator(BaseSpeculator):
         # them only where sam's global store is shared: isolation "none")
         self._ring = self._ring_age = None
         self._ring_pos = self._ring_count = 0
-        if self.tenant == () and self.proposer.stores is not None:
+        if self.tenant == () and self.proposer is not None and self.proposer.stores is not None:
             self._ring = torch.full((CORPUS_TOKENS,), -9, dtype=torch.int64, device=device)
             self._ring_age = torch.full((CORPUS_TOKENS,), -1, dtype=torch.int64, device=device)
         self.stats = {"steps": 0, "rows": 0, "candidate_rows": 0, "candidate_tokens": 0,
@@ -192,12 +218,30 @@ class SamSpeculator(BaseSpeculator):
                       "host_seconds": 0.0,
                       "max_host_seconds": 0.0}
 
+    def _sam_plugin(self) -> dict[str, Any]:
+        """sam's plugin config: the method's own, or sam's part of sam_tr's."""
+        if self.method == "sam":
+            return self.plugin
+        names = {o.name for o in SamProposer.options}
+        plugin = {k: v for k, v in self.plugin.items() if k != "auto_budget"}
+        return {**plugin, "method": "sam",
+                "options": {k: v for k, v in self.plugin["options"].items() if k in names}}
+
     def _new_proposer(self):
+        """The host's sam (None for Token Recycling alone, all on the device)."""
+        if self.method not in HOST_SAM:
+            return None
         # the chain is ``span`` tokens long (the proposer caps drafts at its K)
-        proposer = build_proposer({**self.plugin, "num_speculative_tokens": self.span})
+        proposer = build_proposer({**self._sam_plugin(), "num_speculative_tokens": self.span})
         # every slot of the step's K is verified: longer drafts cost nothing more
         proposer.relative_token_cost = 0.0
         return proposer
+
+    def bind_target(self, model: Any) -> None:
+        """The target module (GPUModelRunner.load_model's patch hands it over):
+        Token Recycling scores the step's hidden states with its lm_head."""
+        if self.recycling is not None:
+            self.recycling.bind(model)
 
     # ------------------------------------------------------------ vLLM hooks
     def init_cudagraph_manager(self, cudagraph_mode: Any) -> None:
@@ -213,6 +257,8 @@ class SamSpeculator(BaseSpeculator):
         req_id = self._slot_req.get(req_index)
         if req_id is not None:
             self._forget(req_id)
+        if self.recycling is not None:
+            self.recycling.reset_slot(req_index)
 
     def on_requests_finished(self, finished_req_ids) -> None:
         """Finished or aborted requests (not preempted): the last step block
@@ -226,7 +272,7 @@ class SamSpeculator(BaseSpeculator):
             req = self._reqs.get(req_id)
             if req is None:
                 continue
-            if req.job is None:
+            if req.job is None and self.proposer is not None:
                 try:
                     self.proposer.complete(req_id)
                     if self._ring is not None:
@@ -241,6 +287,8 @@ class SamSpeculator(BaseSpeculator):
         for req_id in list(self._reqs):
             self._forget(req_id, finish=False)
         self._pending = None
+        if self.recycling is not None:
+            self.recycling.reset()
         if self._ring is not None:
             self._ring.fill_(-9)
             self._ring_age.fill_(-1)
@@ -260,12 +308,17 @@ class SamSpeculator(BaseSpeculator):
         if dummy_run or n == 0:
             return self.drafts[:n]
         started = time.perf_counter()
+        if self.recycling is not None:
+            # every rank (the target's compute_logits gathers across TP ranks)
+            self.recycling.learn(input_batch, last_hidden_states,
+                                 self.req_states.prompt_len.gpu)
         if self.drafting_rank:
             idx = input_batch.idx_mapping.long()
             total = self.req_states.total_len.gpu[idx].long()   # each row's tokens now
-            self._drain()                                   # step t - 1's block
-            self._stage_block(idx, total, input_batch)      # step t's, read next step
-            self._build()                                   # new requests' automata
+            if self.proposer is not None:
+                self._drain()                               # step t - 1's block
+                self._stage_block(idx, total, input_batch)  # step t's, read next step
+                self._build()                               # new requests' automata
             buf = self._candidates(input_batch)
             ops = time.perf_counter()
             self._select(idx, total, n, num_sampled, last_sampled, buf)
@@ -414,12 +467,15 @@ class SamSpeculator(BaseSpeculator):
         Returns the buffer's index, or -1 when none was free."""
         n = input_batch.num_reqs
         buf = self._next_buf     # the block took the other one this step
+        if self.proposer is None:
+            self._next_buf ^= 1  # no block: take turns here
         if not self._ready(self._cand_events[buf]):
             self.stats["blocks_not_ready"] += 1
             return -1
         chain, meta, conf = self._cand_np[buf]
         meta[:n] = 0
-        for row in range(n):
+        meta[:n, 2] = self.req_states.max_seq_len[input_batch.idx_mapping_np[:n]]
+        for row in range(n if self.proposer is not None else 0):
             req_id = input_batch.req_ids[row]
             req = self._reqs.get(req_id)
             if req is None or req.job is not None or req_id in self.containment:
@@ -435,7 +491,9 @@ class SamSpeculator(BaseSpeculator):
             if m:
                 chain[row, :m] = draft.tokens
                 conf[row, :m] = 0.0 if draft.scores is None else draft.scores
-                meta[row] = (req.seen, m)
+                meta[row, :2] = (req.seen, m)
+                if self.threshold:
+                    meta[row, 3] = self.proposer.match_len(req_id) >= self.threshold
                 self.stats["candidate_rows"] += 1
                 self.stats["candidate_tokens"] += m
         hchain, hmeta, hconf = self._cand_host[buf]
@@ -476,26 +534,45 @@ class SamSpeculator(BaseSpeculator):
             return
         chain = self._cand[:n]
         base, length = self._cand_meta[:n, 0], self._cand_meta[:n, 1]
-        m = total - base                                      # tokens committed since base
-        positions = (base[:, None] + self._span_cols[None, :]).clamp(
-            max=rs.all_token_ids.gpu.shape[1] - 1)
-        committed = rs.all_token_ids.gpu[idx[:, None], positions].long()
-        known = self._span_cols[None, :] < m[:, None]
-        agree = ((committed == chain) | ~known).all(1)
+        limit, long_match = self._cand_meta[:n, 2], self._cand_meta[:n, 3] > 0
         sampled = num_sampled.view(-1)[:n] > 0             # rows still prefilling: filler
-        hit = agree & (length > m) & (m >= 0) & sampled
-        cols = m[:, None] + self._k_cols[None, :]
-        valid = hit[:, None] & (cols < length[:, None])
-        cols = cols.clamp(0, self.span - 1)
-        # where the chain misses the committed tokens (after a rejection,
-        # mostly): re-anchor on the device, in the chain and the row's own
-        # history, after the last earlier occurrence of its newest tokens
-        back, back_valid = self._reanchor(idx, total, chain, length)
-        back_valid &= (~hit & sampled)[:, None]
-        self.drafts[:n] = torch.where(valid, chain.gather(1, cols),
-                                      torch.where(back_valid, back, filler[:, None]))
-        self.draft_token_confidence_probs[:n] = torch.where(
-            valid, self._cand_conf[:n].gather(1, cols), 0.0)
+        # a draft at position total + j is committable while < max_seq_len - 1
+        # (sam's host chain is cut there already)
+        room = (total[:, None] + self._k_cols[None, :]) < (limit - 1)[:, None]
+        cols = torch.zeros((n, self.k), dtype=torch.long, device=filler.device)
+        valid = torch.zeros((n, self.k), dtype=torch.bool, device=filler.device)
+        hit = torch.zeros(n, dtype=torch.bool, device=filler.device)
+        draft = filler[:, None].expand(n, self.k)
+        if self.proposer is not None:
+            m = total - base                                  # tokens committed since base
+            positions = (base[:, None] + self._span_cols[None, :]).clamp(
+                max=rs.all_token_ids.gpu.shape[1] - 1)
+            committed = rs.all_token_ids.gpu[idx[:, None], positions].long()
+            known = self._span_cols[None, :] < m[:, None]
+            agree = ((committed == chain) | ~known).all(1)
+            hit = agree & (length > m) & (m >= 0) & sampled
+            cols = m[:, None] + self._k_cols[None, :]
+            valid = hit[:, None] & (cols < length[:, None])
+            cols = cols.clamp(0, self.span - 1)
+            # where the chain misses the committed tokens (after a rejection,
+            # mostly): re-anchor on the device, in the chain and the row's own
+            # history, after the last earlier occurrence of its newest tokens
+            back, back_valid = self._reanchor(idx, total, chain, length)
+            back_valid &= (~hit & sampled)[:, None]
+            draft = torch.where(valid, chain.gather(1, cols),
+                                torch.where(back_valid, back, draft))
+            valid = valid | back_valid
+        if self.recycling is not None:
+            tr, tr_valid = self.recycling.chain(idx, filler, self.k)
+            # Token Recycling's chain, except (sam_tr) where sam's chain follows
+            # a long match; sam's own otherwise only where TR knows nothing
+            use_tr = tr_valid[:, 0] & sampled & ~(hit & long_match)
+            draft = torch.where(use_tr[:, None], tr, draft)
+            valid = torch.where(use_tr[:, None], tr_valid & room, valid)
+            hit = hit & ~use_tr
+        self.drafts[:n] = torch.where(valid, draft, filler[:, None])
+        conf = self._cand_conf[:n].gather(1, cols)
+        self.draft_token_confidence_probs[:n] = torch.where(valid & hit[:, None], conf, 0.0)
 
     def _reanchor(self, idx: torch.Tensor, total: torch.Tensor, chain: torch.Tensor,
                   length: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
