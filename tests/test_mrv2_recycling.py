@@ -29,8 +29,9 @@ class OneHotModel:
         return out
 
 
-def batch(rows):
-    """rows: (slot, tokens, first position, scored offsets within the row)."""
+def batch(rows, prompt_len=None):
+    """rows: (slot, tokens, first position, scored offsets within the row);
+    ``prompt_len`` per slot tells which rows prefill (none if not given)."""
     ids, pos, starts, where, slot_of_logit = [], [], [0], [], []
     for slot, tokens, first, scored in rows:
         base = len(ids)
@@ -43,6 +44,8 @@ def batch(rows):
     return SimpleNamespace(
         input_ids=torch.tensor(ids + [0, 0]), positions=torch.tensor(pos + [0, 0]),
         num_tokens=len(ids), num_reqs=len(rows),
+        has_prefill=prompt_len is not None and any(
+            first < int(prompt_len[slot]) for slot, _, first, _ in rows),
         query_start_loc=torch.tensor(starts, dtype=torch.int32),
         idx_mapping=torch.tensor([r[0] for r in rows], dtype=torch.int32),
         logits_indices=torch.tensor(where, dtype=torch.long),
@@ -108,7 +111,7 @@ def drive(shared, seed, warm=None, steps=30):
             scored = sorted(rng.choice(n, int(rng.integers(1, n + 1)), replace=False).tolist())
             rows.append((slot, tokens, position[slot], scored))
             position[slot] += n
-        ib, hidden = batch(rows)
+        ib, hidden = batch(rows, prompt_len)
         dev.learn(ib, hidden, prompt_len)
         ref.learn(rows, rule, prompt_len.tolist())
         lasts = rng.integers(0, 14, len(rows))

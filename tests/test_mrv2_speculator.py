@@ -143,6 +143,7 @@ class Runner:
             req_ids=req_ids, num_reqs=n, idx_mapping=idx_mapping, idx_mapping_np=slots,
             input_ids=torch.tensor(ids + [0]), positions=torch.tensor(pos + [0]),
             num_tokens=len(ids), query_start_loc=torch.tensor(starts, dtype=torch.int32),
+            has_prefill=any(p < int(self.rs.prompt_len.np[s]) for p, s in zip(pos, owner)),
             logits_indices=torch.arange(len(ids)),
             expanded_idx_mapping=torch.tensor(owner + [0], dtype=torch.int32))
         drafts = self.spec.propose(

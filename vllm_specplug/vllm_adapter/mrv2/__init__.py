@@ -168,6 +168,8 @@ READS = (
                  "rows this step", instance=True),
     Registration("InputBatch.num_tokens", INPUT_BATCH_MODULE, "InputBatch", "num_tokens",
                  "tokens this step (Token Recycling's prompt bigrams)", instance=True),
+    Registration("InputBatch.has_prefill", INPUT_BATCH_MODULE, "InputBatch", "has_prefill",
+                 "whether any row prefills (else no prompt bigrams to write)", instance=True),
     Registration("InputBatch.input_ids", INPUT_BATCH_MODULE, "InputBatch", "input_ids",
                  "the tokens fed: what each scored position follows", instance=True),
     Registration("InputBatch.positions", INPUT_BATCH_MODULE, "InputBatch", "positions",

@@ -45,7 +45,6 @@ class DeviceRecycling:
         self.vocab_size = int(vocab_size)
         self.shared = bool(shared)
         self.prompt_bigrams = bool(prompt_bigrams)
-        self.device = device
         self.buckets = int(buckets)
         self.compute_logits = None
         warm_col = None
@@ -141,7 +140,8 @@ class DeviceRecycling:
                                "(GPUModelRunner.load_model's patch did not run)")
         ids = input_batch.input_ids
         n = int(input_batch.num_tokens)
-        if self.prompt_bigrams and n > 1:
+        # (a batch with no prefilling row holds no prompt token: nothing to pair)
+        if self.prompt_bigrams and input_batch.has_prefill and n > 1:
             # token i and i + 1 of one row, both in its prompt
             slots = self._token_slots(input_batch, n)
             pos = input_batch.positions[:n].long()

@@ -497,9 +497,10 @@ class SamSpeculator(BaseSpeculator):
                 self.stats["candidate_rows"] += 1
                 self.stats["candidate_tokens"] += m
         hchain, hmeta, hconf = self._cand_host[buf]
-        self._cand[:n].copy_(hchain[:n], non_blocking=True)
         self._cand_meta[:n].copy_(hmeta[:n], non_blocking=True)
-        self._cand_conf[:n].copy_(hconf[:n], non_blocking=True)
+        if self.proposer is not None:   # Token Recycling alone: no host chain
+            self._cand[:n].copy_(hchain[:n], non_blocking=True)
+            self._cand_conf[:n].copy_(hconf[:n], non_blocking=True)
         self._cand_events[buf] = self._record()
         return buf
 
@@ -534,11 +535,7 @@ class SamSpeculator(BaseSpeculator):
             return
         chain = self._cand[:n]
         base, length = self._cand_meta[:n, 0], self._cand_meta[:n, 1]
-        limit, long_match = self._cand_meta[:n, 2], self._cand_meta[:n, 3] > 0
         sampled = num_sampled.view(-1)[:n] > 0             # rows still prefilling: filler
-        # a draft at position total + j is committable while < max_seq_len - 1
-        # (sam's host chain is cut there already)
-        room = (total[:, None] + self._k_cols[None, :]) < (limit - 1)[:, None]
         cols = torch.zeros((n, self.k), dtype=torch.long, device=filler.device)
         valid = torch.zeros((n, self.k), dtype=torch.bool, device=filler.device)
         hit = torch.zeros(n, dtype=torch.bool, device=filler.device)
@@ -563,6 +560,10 @@ class SamSpeculator(BaseSpeculator):
                                 torch.where(back_valid, back, draft))
             valid = valid | back_valid
         if self.recycling is not None:
+            limit, long_match = self._cand_meta[:n, 2], self._cand_meta[:n, 3] > 0
+            # a draft at position total + j is committable while < max_seq_len - 1
+            # (sam's host chain is cut there already)
+            room = (total[:, None] + self._k_cols[None, :]) < (limit - 1)[:, None]
             tr, tr_valid = self.recycling.chain(idx, filler, self.k)
             # Token Recycling's chain, except (sam_tr) where sam's chain follows
             # a long match; sam's own otherwise only where TR knows nothing
