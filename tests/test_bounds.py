@@ -191,11 +191,11 @@ def test_step_cost_model_has_fixed_size():
     from vllm_specplug.budget import StepCostModel
 
     model = StepCostModel()
-    size = model._s.nbytes
+    size = model._xtx.nbytes + model._xty.nbytes
     rng = random.Random(5)
     for _ in range(20_000):
         model.add(rng.randrange(1, 64), 0.01 + 0.001 * rng.random())
-    assert model._s.nbytes == size and model.samples > 10_000
+    assert model._xtx.nbytes + model._xty.nbytes == size and model.samples > 10_000
 
 
 # ------------------------------------------------------- sam's learned stop rule

@@ -29,7 +29,7 @@ def test_fit_recovers_the_cost_line_and_round_trips(tmp_path):
     assert a == pytest.approx(0.07, rel=0.1) and b == pytest.approx(0.007, rel=0.1)
     save_fit(m, tmp_path / "c.json")
     prior = load_prior(tmp_path / "c.json")
-    assert prior.prior[2] == CACHED_PRIOR_WEIGHT
+    assert prior.prior[3] == CACHED_PRIOR_WEIGHT
     # before any measurement the cached ratio is the whole estimate
     assert prior.relative_token_cost(1) == pytest.approx(m.relative_token_cost(1), rel=1e-6)
 

@@ -8,7 +8,8 @@ import pytest
 
 import vllm_specplug
 
-BATCH_DEFAULTS = {"batch_budget": "auto", "disable_by_batch_size": None, "isolation": "salt"}
+BATCH_DEFAULTS = {"batch_budget": "auto", "disable_by_batch_size": None, "goodput": "off",
+                  "isolation": "salt"}
 
 from vllm_specplug import config
 from vllm_specplug.config import (DEFAULT_NUM_SPECULATIVE_TOKENS, DRAFTER_CLASS_PATH,

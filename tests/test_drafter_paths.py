@@ -186,7 +186,8 @@ def test_the_step_cost_model_gets_each_steps_verified_tokens_and_time(drafter, m
     clock = iter(np.arange(100.0, 200.0, 0.5))
     monkeypatch.setattr(drafter_mod.time, "perf_counter", lambda: float(next(clock)))
     samples = []
-    monkeypatch.setattr(drafter.step_cost, "add", lambda n, dt: samples.append((n, dt)))
+    monkeypatch.setattr(drafter.step_cost, "add",
+                        lambda n, dt, rows: samples.append((n, dt, rows)))
     h = {"a": [1, 2, 3, 4, 1, 2, 3], "b": [5, 6, 7, 5, 6, 7, 5]}
     first = step(drafter, ["a", "b"], list(h.values()), [[3], [5]])
     assert samples == []                          # no earlier step to time
@@ -198,7 +199,7 @@ def test_the_step_cost_model_gets_each_steps_verified_tokens_and_time(drafter, m
     step(drafter, ["a", "b"], list(h.values()), [[h["a"][-1]], [h["b"][-1]]])
     # one sample: the 2 rows' own tokens plus last step's drafts, over the
     # time between the two steps' clock readings
-    assert len(samples) == 1 and samples[0][0] == 2 + drafted
+    assert len(samples) == 1 and samples[0][0] == 2 + drafted and samples[0][2] == 2
     assert samples[0][1] == drafter._last_step[2] - then > 0
     # a step with a row not decoding is not timed, nor the one after it
     step(drafter, ["a", "b"], list(h.values()), [[h["a"][-1]], []])
@@ -436,10 +437,14 @@ def test_nodes_past_max_tokens_add_up_over_steps(patch_calls, monkeypatch):
 def test_propose_time_adds_up_each_calls_time(drafter, monkeypatch):
     clock = iter(np.arange(0.0, 100.0, 0.25))
     monkeypatch.setattr(drafter_mod.time, "perf_counter", lambda: float(next(clock)))
+    drafted = 0
     for h in ([1, 2, 1, 2], [1, 2, 1, 2, 1]):
-        step(drafter, ["a"], [h], [[h[-1]]])
+        drafted += sum(len(d) for d in step(drafter, ["a"], [h], [[h[-1]]]))
     # each call reads the clock at its start, in _time_step and at its end
-    assert drafter.propose_time == {"calls": 2, "rows": 2, "seconds": 2 * 0.5}
+    t = drafter.propose_time
+    assert (t["calls"], t["rows"], t["seconds"]) == (2, 2, 2 * 0.5)
+    # and counts the draft tokens it returned
+    assert t["draft_tokens"] == drafted > 0
 
 
 def test_propose_without_begin_step_names_the_missing_patch(drafter):

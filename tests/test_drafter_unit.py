@@ -46,13 +46,21 @@ def test_construction(patch_calls):
                                          "nodes_proposed": 0, "nodes_kept": 0, "nodes_explored": 0,
                                          "nodes_past_max_tokens": 0,
                                          "paced_steps": 0, "nodes_paced_off": 0}
-    assert stats.pop("propose_time") == {"calls": 0, "rows": 0, "seconds": 0.0}
+    assert stats.pop("propose_time") == {"calls": 0, "rows": 0, "seconds": 0.0,
+                                         "draft_tokens": 0}
     assert stats.pop("calibration") == {"ratio": 1.0, "settled": 0, "accepted": 0.0,
                                         "expected": 0.0}
     assert stats.pop("faults") == {"requests": 0, "steps": 0, "hooks": {},
                                    "requests_without_drafts": 0}
     assert stats.pop("pacing") == {"waiting": None, "ran_to_max_tokens_share": 1.0,
                                    "finished": 0, "binding": True, "overall_pace": 2.0}
+    # the goodput controller and backoff: off by default, nothing recorded
+    assert stats.pop("goodput") == {"enabled": False, "level": 1.0, "active": 1.0, "windows": 0,
+                                    "probes": 0, "moves": 0,
+                                    "scores": {"1.0": None, "0.5": None, "0.25": None,
+                                               "0.0": None}, "recent_moves": []}
+    assert stats.pop("backoff") == {"enabled": False, "requests": 0, "mutes": 0, "restored": 0,
+                                    "muted_steps": 0}
     trim = stats.pop("malloc_trim")  # on where the C library is glibc; nothing trimmed yet
     from vllm_specplug.malloc_trim import glibc_trim
 

@@ -1,6 +1,8 @@
 """No import cycles between the package's modules (imports inside functions
 included; imports of a package's ``__init__``, e.g. ``__version__``, aside),
-and ``proposers/`` imports neither vLLM nor torch. Static (ast): no imports run."""
+imports run one way (lower layers import no higher one:
+``LAYERS_NOT_IMPORTED``), and ``proposers/`` imports neither vLLM nor torch.
+Static (ast): no imports run."""
 from __future__ import annotations
 
 import ast
@@ -98,3 +100,58 @@ def test_proposers_import_neither_vllm_nor_torch():
         if name.startswith("vllm_specplug.proposers"):
             bad = {m for m in _imports(name, path) if m.split(".")[0] in ("vllm", "torch")}
             assert not bad, f"{name} imports {sorted(bad)}"
+
+
+# Imports run one way: a module under a layer (a package or a module,
+# relative to vllm_specplug) must not import the layers listed for it.
+P = "vllm_specplug."
+LAYERS_NOT_IMPORTED = {
+    **{low: ("bench", "eagle", "vllm_adapter", "cli")
+       for low in ("proposers", "tree", "budget", "draft")},
+    "bench": ("vllm_adapter",),
+    "eagle": ("bench",),
+}
+PROPOSERS_NOT_IMPORTED_BY = ("budget", "tree", "draft")
+
+
+def _under(module: str, layer: str) -> bool:
+    return module == P + layer or module.startswith(P + layer + ".")
+
+
+def layering_violations(imports: dict[str, set[str]]) -> list[str]:
+    """``"importer -> imported"`` for each import against the layers above."""
+    rules = {low: set(high) for low, high in LAYERS_NOT_IMPORTED.items()}
+    for low in PROPOSERS_NOT_IMPORTED_BY:
+        rules.setdefault(low, set()).add("proposers")
+    out = set()
+    for name, found in imports.items():
+        for low, high in rules.items():
+            if _under(name, low):
+                out.update(f"{name} -> {m}" for m in found
+                           if any(_under(m, h) for h in high))
+    return sorted(out)
+
+
+def test_imports_run_one_way():
+    """Lower layers (proposers, tree, budget, draft; bench below the adapter;
+    eagle below bench) import no higher one, inside functions included."""
+    imports = {name: _imports(name, path) for name, path in _modules().items()}
+    assert layering_violations(imports) == []
+
+
+def test_a_layering_violation_is_found():
+    imports = {P + "tree.structure": {P + "proposers.base", P + "proposers.base.Draft",
+                                      P + "draft"},
+               P + "bench.soak": {P + "vllm_adapter.v1.stats_export", P + "stats_files"},
+               P + "eagle.train": {P + "bench.engine", P + "offline_engine"},
+               P + "budget": {P + "cli"},
+               P + "budgeting": {P + "cli"},  # not the budget layer
+               P + "proposers.sam": {P + "draft", P + "tree"},
+               P + "vllm_adapter.v1.drafter": {P + "bench", P + "proposers.base"}}
+    assert layering_violations(imports) == [
+        P + "bench.soak -> " + P + "vllm_adapter.v1.stats_export",
+        P + "budget -> " + P + "cli",
+        P + "eagle.train -> " + P + "bench.engine",
+        P + "tree.structure -> " + P + "proposers.base",
+        P + "tree.structure -> " + P + "proposers.base.Draft",
+    ]

@@ -353,10 +353,47 @@ def test_isolation_is_validated_before_the_engine_starts():
     ({"specplug_share": 0.0}, "must be true or false"),
     ({"specplug_shared": False}, "unknown vllm_specplug keys"),
     ({"specplug": {"share": False}}, "unknown vllm_specplug keys"),
+    ({"specplug_draft": "off"}, r"\['specplug_draft'\] must be true or false"),
+    ({"specplug_draft": 2}, r"\['specplug_draft'\] must be true or false"),
+    ({"specplug_max_draft": -1}, r"\['specplug_max_draft'\] must be an integer >= 0"),
+    ({"specplug_max_draft": 2.0}, r"\['specplug_max_draft'\] must be an integer >= 0"),
+    ({"specplug_max_draft": True}, r"\['specplug_max_draft'\] must be an integer >= 0"),
+    ({"specplug_maxdraft": 2}, "unknown vllm_specplug keys.*'specplug_max_draft'"),
 ])
 def test_a_malformed_opt_out_is_refused(extra, error):
     with pytest.raises(ValueError, match=error):
         tenancy.check_extra_args(extra)
+
+
+@pytest.mark.parametrize("extra", [{"specplug_draft": False}, {"specplug_draft": 1},
+                                   {"specplug_max_draft": 0}, {"specplug_max_draft": 3},
+                                   {"specplug_draft": 0, "specplug_share": 0}])
+def test_per_request_draft_keys_are_accepted(extra):
+    tenancy.check_extra_args(extra)
+
+
+class _CapParams:
+    def __init__(self, extra):
+        self.extra_args = extra
+
+
+class _CapRunner:
+    def __init__(self, extra):
+        self.requests = {"r": type("S", (), {"sampling_params": _CapParams(extra)})()}
+
+
+@pytest.mark.parametrize("extra, cap", [
+    (None, None), ({}, None), ({"other": 1}, None),
+    ({"specplug_draft": True}, None), ({"specplug_draft": 1}, None),
+    ({"specplug_draft": False}, 0), ({"specplug_draft": 0}, 0),
+    ({"specplug_max_draft": 3}, 3), ({"specplug_max_draft": 0}, 0),
+    ({"specplug_draft": 0, "specplug_max_draft": 3}, 0),
+    ({"specplug_max_draft": "3"}, 0),     # malformed (refused by vLLM with our patch): none
+    ({"specplug_draft": "yes"}, 0),
+])
+def test_the_request_draft_cap(extra, cap):
+    assert tenancy.draft_cap(_CapRunner(extra), "r") == cap
+    assert tenancy.draft_cap(None, "r") is None
 
 
 def test_vllm_refuses_a_malformed_opt_out_when_patched():

@@ -218,7 +218,7 @@ def _engine_pid(soak: Soak) -> int:
     a descendant of the server process."""
     import psutil
 
-    from vllm_specplug.vllm_adapter.v1.stats_export import read
+    from vllm_specplug.stats_files import read
 
     pid = read(str(soak.stats_file))["pid"]
     assert pid in {p.pid for p in psutil.Process(soak.server_pid).children(recursive=True)}
@@ -228,7 +228,7 @@ def _engine_pid(soak: Soak) -> int:
 def _wait_idle_stats(soak: Soak, timeout: float = 30) -> dict:
     """The drafter's stats once no request holds state (or the last ones
     seen after ``timeout``: the caller's asserts then show them)."""
-    from vllm_specplug.vllm_adapter.v1.stats_export import read
+    from vllm_specplug.stats_files import read
 
     deadline = time.time() + timeout
     while True:

@@ -250,7 +250,9 @@ def test_step_cost_model_recovers_a_linear_cost_and_ignores_stalls():
     assert m.relative_token_cost(16) < m.relative_token_cost(1)
     # and dearer to one row's share of it: b / ((a + 16 b) / 16)
     assert m.row_token_cost(1) == pytest.approx(m.relative_token_cost(1))
-    assert m.row_token_cost(16) == pytest.approx(16 * b / (a + 16 * b))
+    a16, b16 = m.fit(16)
+    assert b16 == b
+    assert m.row_token_cost(16) == pytest.approx(16 * b / (a16 + 16 * b))
     assert m.row_token_cost(16) > m.row_token_cost(1)
 
 

@@ -16,7 +16,7 @@ from vllm_specplug.bench.workloads import (WORKLOADS, batch_plan, build_messages
                                            load_workload, select, workloads_dir)
 
 KEYS = {"id", "category", "prompt", "session", "turn", "system"}
-# the bench engine's max_model_len (bench.engine.engine_kwargs)
+# the bench engine's max_model_len (offline_engine.engine_kwargs)
 MAX_MODEL_LEN = 4096
 MAX_TOKENS = 256  # the bench's default output length
 

@@ -2,20 +2,23 @@
 
 The cost of a target step grows with the tokens it verifies: on a GPU a few
 dozen extra tokens are nearly free, on this 2-core CPU each one costs several
-percent of a step. ``StepCostModel`` learns ``seconds = a + b * tokens`` from
-the engine's own decode steps (the drafter times consecutive steps), starting
-from a prior, so the estimate is this machine's, this model's and this batch
-size's. ``best_node_count`` then picks how many draft nodes to verify: the
+percent of a step. ``StepCostModel`` learns ``seconds = c0 + c_row * rows +
+c_draft * draft_tokens`` from the engine's own decode steps (the drafter times
+consecutive steps), robustly and starting from a prior, so the estimate is
+this machine's and this model's, and what rows cost is never charged to
+drafts. ``best_node_count`` then picks how many draft nodes to verify: the
 count maximising expected tokens per second,
 
     (1 + sum of the n best nodes' acceptance estimates) / (a + b * (B + n))
 
-for a batch of B rows (the nodes' estimates sorted in decreasing order, each
-the probability that the node lies on the accepted path).
+for a batch of B rows (``a, b = fit(B)``; the nodes' estimates sorted in
+decreasing order, each the probability that the node lies on the accepted
+path).
 
-The fit is cached per machine, model and parallel layout (``save_fit`` /
-``load_prior``): an engine starts from the cost ratio b / a the previous
-engine measured, with more weight than the built-in prior, and keeps
+The fit is cached per machine, model, parallel layout and verification path
+(``save_fit`` / ``load_prior``): an engine starts from the previous engine's
+coefficients, with more weight than the built-in prior, checks them against
+its own first measurements (dropping them when they disagree) and keeps
 learning.
 """
 from __future__ import annotations
@@ -28,9 +31,10 @@ from typing import Sequence
 
 import numpy as np
 
-# Prior: a step of one token costs 1 (relative units), each extra token 0.08
-# (what this project measured for SmolLM2-135M on a 2-core AVX2 CPU, where
-# extra tokens are expensive; on a GPU the fit drives b towards 0 quickly).
+# Prior: a step of one row and no drafts costs 1 + 0.08 (relative units),
+# each further row 0.08 and each draft token 0.08 (what this project measured
+# for SmolLM2-135M on a 2-core AVX2 CPU, where extra tokens are expensive; on
+# a GPU the fit drives both towards 0 quickly).
 PRIOR_A = 1.0
 PRIOR_B = 0.08
 PRIOR_WEIGHT = 8.0
@@ -38,66 +42,196 @@ DECAY = 0.99
 # Weight of a cached fit used as the prior, and how often it is re-saved.
 CACHED_PRIOR_WEIGHT = 32.0
 SAVE_EVERY = 256
-
+# A cached prior is checked against the engine's own measurements once this
+# many steps were timed, with at least CHECK_DRAFT_SPREAD (standard deviation)
+# of draft tokens among them; it is dropped for the built-in prior when the
+# two disagree on a draft token's relative cost by more than CHECK_FACTOR.
+CHECK_AFTER = 64
+CHECK_DRAFT_SPREAD = 1.0
+CHECK_FACTOR = 1.5
+# Robust fit: a step further than HUBER_K decayed mean absolute residuals
+# from the fit enters with weight HUBER_K * mad / |residual| (Huber), and its
+# residual enters that mean clipped to HUBER_K * mad; one over
+# STALL times the fitted cost is a stall (GC, the OS) and is ignored.
+HUBER_K = 3.0
+STALL = 5.0
+# The fit is solved again after every step for the first REFIT_AFTER steps,
+# then every REFIT_EVERY steps (it moves slowly; a solve costs about 50 us).
+REFIT_AFTER = 64
+REFIT_EVERY = 8
+# The first HUBER_AFTER steps seed the residuals' scale with their median.
+HUBER_AFTER = 16
+# The prior's design points (rows, draft tokens), scaled to the measurements'
+# level: they pin what the data alone cannot tell apart (the per-row cost and
+# the intercept when every step had one row). Close in, so their leverage on
+# the slopes is small next to steps that spread rows and drafts (at 16 they
+# held a draft token's cost 27% high after 300 one-row steps drafting 0-8).
+_PRIOR_POINTS = ((1.0, 0.0), (1.0, 4.0), (4.0, 0.0), (4.0, 4.0))
+_PRIOR_X = np.array([[1.0, rows, drafts] for rows, drafts in _PRIOR_POINTS])
+_PRIOR_XTX = _PRIOR_X.T @ _PRIOR_X
+# columns kept when the fit constrains slopes to be >= 0 (StepCostModel._solve)
+_SUBSETS = tuple((np.array(k), np.ix_(k, k)) for k in ((0, 1, 2), (0, 1), (0, 2), (0,)))
 
 class StepCostModel:
-    """Online weighted least squares of step time against tokens in the step."""
+    """Online robust least squares of step time against the step's shape,
+
+        seconds = c0 + c_row * rows + c_draft * draft_tokens,
+
+    from the engine's own decode steps. Rows and draft tokens are separate
+    terms: what a row costs beyond its one token (sampling, output
+    processing, scheduling) grows with the batch, not with the drafts, and a
+    single slope over all verified tokens charged it to the drafts (a fit
+    made in batches of sampled requests then read b/a = 0.31 where a draft
+    token cost 0.06 of a step, and every method drafted too little).
+
+    ``fit(rows)`` gives the line in verified tokens at that row count,
+    ``(a, b)`` with ``a + b * (rows + drafts)`` the step's cost: ``b`` is a
+    draft token's cost, ``a + b * rows`` a step without drafts."""
 
     def __init__(self, prior_a: float = PRIOR_A, prior_b: float = PRIOR_B,
-                 prior_weight: float = PRIOR_WEIGHT, decay: float = DECAY) -> None:
+                 prior_weight: float = PRIOR_WEIGHT, decay: float = DECAY,
+                 prior_row: float | None = None) -> None:
         self.decay = decay
-        self.prior = (prior_a, prior_b, prior_weight)
-        # sums over (weight, x, x^2, y, x*y); the prior enters as two points at
-        # x = 1 and x = 17, scaled to the measurements' level (the decayed
-        # mean of seconds / prior cost), so units cancel and the prior's
-        # slope keeps its ratio to the measured step time. (Scaling to the
-        # first measurement alone let one slow first step inflate the
-        # prior's slope for good while every step verified one token.)
-        self._s = np.zeros(5)
-        self._level = 0.0  # decayed sum of seconds / (a + b * tokens) (prior a, b)
+        # (c0, c_row, c_draft, weight) in relative units; scaled to the
+        # measurements' level (the decayed mean of seconds / prior cost), so
+        # units cancel and the prior keeps its ratios to the measured step.
+        self.prior = (prior_a, prior_b if prior_row is None else prior_row, prior_b,
+                      prior_weight)
+        self._xtx = np.zeros((3, 3))
+        self._xty = np.zeros(3)
+        self._yty = 0.0
+        self._w = 0.0
+        self._mad = 0.0       # decayed sum of |residual| (weight self._w)
+        self._first: list[float] = []   # the first HUBER_AFTER residuals
+        # draft tokens' decayed sums (weight, sum, sum of squares) for the check
+        self._drafts = np.zeros(3)
         self.samples = 0
+        self.prior_checked = False
+        self.prior_dropped = False
+        self._coef: np.ndarray | None = None
 
-    @property
-    def _scale(self) -> float | None:
-        return self._level / self._s[0] if self._s[0] > 0 else None
+    def _solve(self, prior: tuple) -> np.ndarray:
+        c0, cr, cd, w = prior
+        # the measurements' level: their seconds over what the prior says
+        # the same steps cost (ratio of the weighted sums)
+        modelled = c0 * self._xtx[0, 0] + cr * self._xtx[0, 1] + cd * self._xtx[0, 2]
+        scale = self._xty[0] / modelled if modelled > 0 else 1.0
+        # the prior's points, weight w / 4 each, at the measurements' level
+        y = _PRIOR_X @ np.array([c0, cr, cd]) * scale
+        pw = w / len(_PRIOR_X)
+        xtx = self._xtx + pw * _PRIOR_XTX
+        xty = self._xty + pw * (_PRIOR_X.T @ y)
+        yty = self._yty + pw * float(y @ y)
+        # least squares with both slopes >= 0 (a negative per-row or
+        # per-draft cost is noise; clamping one coefficient afterwards
+        # would move the fitted line): the best of the column subsets whose
+        # solution has no negative slope
+        best = None
+        for idx, block in _SUBSETS:
+            try:
+                ck = np.linalg.solve(xtx[block], xty[idx])
+            except np.linalg.LinAlgError:
+                continue
+            if (ck[1:] < 0).any():
+                continue
+            coef = np.zeros(3)
+            coef[idx] = ck
+            if len(idx) == 3:   # the unconstrained optimum is feasible
+                best = (0.0, coef)
+                break
+            sse = yty - 2.0 * coef @ xty + coef @ xtx @ coef
+            if best is None or sse < best[0]:
+                best = (sse, coef)
+        if best is None:
+            return np.array([c0, cr, cd]) * scale
+        coef = best[1]
+        coef[0] = max(coef[0], 1e-9)
+        return coef
 
-    def _with_prior(self) -> np.ndarray:
-        a, b, w = self.prior
-        scale = self._scale or 1.0
-        s = self._s.copy()
-        for x in (1.0, 17.0):
-            y = (a + b * x) * scale
-            s += (w / 2) * np.array([1.0, x, x * x, y, x * y])
-        return s
+    def coefficients(self) -> np.ndarray:
+        """(c0, c_row, c_draft) in seconds (prior units before any step)."""
+        if self._coef is None:
+            self._coef = self._solve(self.prior)
+        return self._coef
 
-    def fit(self) -> tuple[float, float]:
-        """(a, b) in seconds (in prior units before any measurement)."""
-        w, sx, sxx, sy, sxy = self._with_prior()
-        det = w * sxx - sx * sx
-        b = (w * sxy - sx * sy) / det if det > 0 else self.prior[1]
-        a = (sy - b * sx) / w
-        b = max(b, 0.0)
-        a = max(a, 1e-9)
-        return a, b
+    def fit(self, rows: int = 1) -> tuple[float, float]:
+        """``(a, b)`` at ``rows`` decoding rows: a step verifying ``rows +
+        d`` tokens costs ``a + b * (rows + d)`` (module doc)."""
+        c0, cr, cd = self.coefficients()
+        rows = max(int(rows), 1)
+        base = c0 + cr * rows
+        return base - cd * rows, cd
 
-    def add(self, tokens: int, seconds: float) -> None:
-        if tokens <= 0 or not seconds > 0:
+    def add(self, tokens: int, seconds: float, rows: int = 1) -> None:
+        """One step of ``rows`` decoding rows that verified ``tokens`` tokens
+        (rows plus draft tokens) in ``seconds``."""
+        rows = max(int(rows), 1)
+        drafts = tokens - rows
+        if tokens <= 0 or drafts < 0 or not seconds > 0:
             return
+        x = np.array([1.0, rows, drafts])
+        weight = 1.0
         if self.samples:
-            a, b = self.fit()
-            if seconds > 5 * (a + b * tokens):  # a stall (GC, scheduler): ignore
+            predicted = float(self.coefficients() @ x)
+            if seconds > STALL * predicted:
                 return
-        pa, pb = self.prior[:2]
-        self._s *= self.decay
-        self._level *= self.decay
-        self._s += np.array([1.0, tokens, tokens * tokens, seconds, tokens * seconds])
-        self._level += seconds / (pa + pb * tokens)
+            residual = abs(seconds - predicted)
+            if self.samples < HUBER_AFTER:
+                self._first.append(residual)
+                self._mad = self._mad * self.decay + residual
+                if len(self._first) == HUBER_AFTER - 1:   # seed: the median
+                    self._mad = float(np.median(self._first)) * self._w
+                    self._first = []
+            else:
+                mad = self._mad / self._w
+                if mad > 0 and residual > HUBER_K * mad:
+                    weight = HUBER_K * mad / residual
+                    residual = HUBER_K * mad   # the scale itself winsorized
+                self._mad = self._mad * self.decay + residual
+        d = self.decay
+        self._xtx = self._xtx * d + weight * np.outer(x, x)
+        self._xty = self._xty * d + weight * x * seconds
+        self._yty = self._yty * d + weight * seconds * seconds
+        self._w = self._w * d + 1.0
+        self._drafts = self._drafts * d + np.array([1.0, drafts, drafts * drafts])
         self.samples += 1
+        if self.samples <= REFIT_AFTER or self.samples % REFIT_EVERY == 0:
+            self._coef = None
+        if not self.prior_checked and self.samples >= CHECK_AFTER:
+            self._check_prior()
 
-    def relative_token_cost(self, batch_tokens: int = 1) -> float:
-        """Cost of one more token relative to a step of ``batch_tokens``."""
-        a, b = self.fit()
-        return b / (a + b * max(batch_tokens, 1))
+    def draft_spread(self) -> float:
+        """Standard deviation of the draft tokens of the steps measured."""
+        w, s, ss = self._drafts
+        return float(np.sqrt(max(ss / w - (s / w) ** 2, 0.0))) if w > 0 else 0.0
+
+    def _check_prior(self) -> None:
+        """A prior heavier than the built-in one (a cached fit) must agree
+        with what this engine measures: once the steps measured spread their
+        draft tokens enough to tell, compare a draft token's relative cost
+        under that prior and under the built-in one; drop the cached prior
+        when they differ by more than CHECK_FACTOR."""
+        if self.prior[3] <= PRIOR_WEIGHT:
+            self.prior_checked = True
+            return
+        if self.draft_spread() < CHECK_DRAFT_SPREAD:
+            return
+        self.prior_checked = True
+        own = self._solve((PRIOR_A, PRIOR_B, PRIOR_B, PRIOR_WEIGHT))
+        mine = self.coefficients()
+        rel_own = own[2] / (own[0] + own[1])
+        rel_mine = mine[2] / (mine[0] + mine[1])
+        lo, hi = sorted((rel_own, rel_mine))
+        if hi > CHECK_FACTOR * max(lo, 1e-6):
+            self.prior = (PRIOR_A, PRIOR_B, PRIOR_B, PRIOR_WEIGHT)
+            self.prior_dropped = True
+            self._coef = None
+
+    def relative_token_cost(self, rows: int = 1) -> float:
+        """Cost of one more draft token relative to a step of ``rows``
+        decoding rows without drafts."""
+        a, b = self.fit(rows)
+        return b / (a + b * max(rows, 1))
 
     def row_token_cost(self, rows: int = 1) -> float:
         """Cost of one more token relative to one row's share of a step of
@@ -123,10 +257,11 @@ def best_node_count(values_desc: np.ndarray, relative_cost: float, max_nodes: in
 
 
 def save_fit(model: StepCostModel, path: Path) -> None:
-    """Write the fitted cost ratio (atomically; JSON)."""
-    a, b = model.fit()
+    """Write the fitted coefficients (atomically; JSON)."""
+    c0, cr, cd = (float(v) for v in model.coefficients())
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = {"format": 1, "a_s": a, "b_s": b, "ratio": b / a, "samples": model.samples}
+    data = {"format": 2, "c0_s": c0, "row_s": cr, "draft_s": cd,
+            "ratio": cd / (c0 + cr), "samples": model.samples}
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
     with os.fdopen(fd, "w") as f:
         json.dump(data, f)
@@ -134,16 +269,23 @@ def save_fit(model: StepCostModel, path: Path) -> None:
 
 
 def load_prior(path: Path) -> StepCostModel | None:
-    """A model whose prior is the cached ratio; None when there is no usable
-    cache (missing, unreadable or implausible values are ignored)."""
+    """A model whose prior is the cached fit (its ratios to a one-row step
+    without drafts), checked against the new engine's first measurements
+    (``StepCostModel._check_prior``); None when there is no usable cache
+    (missing, unreadable, an older format or implausible values)."""
     try:
         data = json.loads(Path(path).read_text())
-        ratio = float(data["ratio"])
-    except (OSError, ValueError, KeyError, TypeError):
+        if data.get("format") != 2:
+            return None
+        c0, cr, cd = (float(data[k]) for k in ("c0_s", "row_s", "draft_s"))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
-    if not (0.0 <= ratio < 10.0) or data.get("format") != 1:
+    base = c0 + cr
+    if not (np.isfinite([c0, cr, cd]).all() and base > 0 and c0 >= 0 and cr >= 0
+            and 0.0 <= cd / base < 10.0 and cr / base < 10.0):
         return None
-    return StepCostModel(prior_a=1.0, prior_b=ratio, prior_weight=CACHED_PRIOR_WEIGHT)
+    return StepCostModel(prior_a=c0 / base, prior_b=cd / base, prior_row=cr / base,
+                         prior_weight=CACHED_PRIOR_WEIGHT)
 
 
 def monotone_values(values: np.ndarray, parents: np.ndarray | None) -> np.ndarray:
@@ -259,7 +401,7 @@ def allocate_batch_exploring(drafts: list, a: float, b: float, rows: int,
     ``eligible`` (a mask over rows; ``pace_batch``): only those rows' nodes
     may be kept, and only those rows' tokens count as the step's output (the
     others' one token each still counts in the step's cost)."""
-    from .proposers.base import Draft
+    from .draft import Draft
 
     n_tokens = float(rows)
     expected = float(rows) if eligible is None else float(np.count_nonzero(eligible))
@@ -335,7 +477,7 @@ def pace_batch(drafts: list, remaining: Sequence[int | None], pace: Sequence[flo
     counted as output (a lone slowest row drafts about as much as a batch of
     one would). Returns (drafts, nodes explored, nodes dropped from the
     other rows, the rows that may draft)."""
-    from .proposers.base import Draft
+    from .draft import Draft
 
     eligible = must_draft(remaining, pace, margin)
     if eligible is None:
@@ -425,7 +567,7 @@ class LengthEndings:
 def subset(draft, keep: np.ndarray):
     """The nodes of ``draft`` where ``keep`` (an ancestor-closed mask), with
     parents renumbered."""
-    from .proposers.base import Draft
+    from .draft import Draft
 
     keep = np.asarray(keep, dtype=bool)
     parents = draft.parent_array()
@@ -444,6 +586,8 @@ def subset(draft, keep: np.ndarray):
 BATCH_BUDGET_KEY = "batch_budget"
 DISABLE_BY_BATCH_SIZE_KEY = "disable_by_batch_size"
 BATCH_BUDGET_MODES = ("auto", "pace", "off")
+GOODPUT_KEY = "goodput"
+GOODPUT_MODES = ("on", "off")
 
 
 def pop_batch_options(spec: dict) -> dict:
@@ -459,7 +603,10 @@ def pop_batch_options(spec: dict) -> dict:
       proposer's draft);
     * ``"disable_by_batch_size"``: no speculation at all in steps with at
       least this many decoding requests (default: none; the automatic budget
-      already turns speculation off when it stops paying)."""
+      already turns speculation off when it stops paying);
+    * ``"goodput"``: ``"on"`` (``vllm_specplug.goodput`` cuts drafts
+      where measured tokens per second say they do not pay, engine-wide and
+      per request) or ``"off"`` (default, until measured to pay)."""
     from .options import SpecPlugConfigError
 
     mode = spec.pop(BATCH_BUDGET_KEY, "auto")
@@ -473,4 +620,10 @@ def pop_batch_options(spec: dict) -> dict:
         raise SpecPlugConfigError(
             f"speculative_config[{DISABLE_BY_BATCH_SIZE_KEY!r}] must be an integer >= 1 "
             f"(the batch size from which speculation is off), got {limit!r}")
-    return {BATCH_BUDGET_KEY: mode, DISABLE_BY_BATCH_SIZE_KEY: limit}
+    goodput = spec.pop(GOODPUT_KEY, "off")
+    if goodput not in GOODPUT_MODES:
+        raise SpecPlugConfigError(
+            f"speculative_config[{GOODPUT_KEY!r}] must be one of "
+            f"{', '.join(map(repr, GOODPUT_MODES))} (the goodput controller: drafts cut "
+            f"where measured tokens per second say they do not pay), got {goodput!r}")
+    return {BATCH_BUDGET_KEY: mode, DISABLE_BY_BATCH_SIZE_KEY: limit, GOODPUT_KEY: goodput}

@@ -1,8 +1,13 @@
-"""Engine settings shared by the benchmark, the demo and the tests."""
+"""Engine settings shared by the benchmark, the demo and the tests.
+
+The engine itself (``build_llm``, ``engine_kwargs``, ``cpu_defaults``) is
+built by ``vllm_specplug.offline_engine`` (re-exported here), which the
+EAGLE trainer uses too without importing the benchmark."""
 from __future__ import annotations
 
-import os
 from typing import Any
+
+from ..offline_engine import build_llm, cpu_defaults, engine_kwargs  # noqa: F401 - re-exported
 
 # Baselines and our methods, bs = 1 settings. vLLM's suffix at its own
 # default (24, its suffix_decoding_max_tree_depth: it sizes its drafts
@@ -31,27 +36,6 @@ SPEC_COUNTERS = {
     "vllm:spec_decode_num_draft_tokens": "draft_tokens",
     "vllm:spec_decode_num_accepted_tokens": "accepted",
 }
-
-
-def cpu_defaults() -> None:
-    """Environment a CPU engine needs here (only where the user set nothing)."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-
-
-def engine_kwargs(model: str, speculative_config: dict | None, **overrides: Any) -> dict:
-    kw: dict[str, Any] = dict(model=model, dtype="float32", enforce_eager=True,
-                              max_model_len=4096, seed=0, disable_log_stats=False)
-    if speculative_config is not None:
-        kw["speculative_config"] = dict(speculative_config)
-    kw.update(overrides)
-    return kw
-
-
-def build_llm(model: str, speculative_config: dict | None, **overrides: Any):
-    cpu_defaults()
-    from vllm import LLM
-
-    return LLM(**engine_kwargs(model, speculative_config, **overrides))
 
 
 def read_spec_counters(llm) -> dict:

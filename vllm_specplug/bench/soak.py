@@ -171,7 +171,7 @@ async def _bursts(base: str, reqs: list[dict], counts: dict) -> None:
 
 
 def _wait_idle(stats_file: Path, timeout: float = 30.0) -> dict | None:
-    from ..vllm_adapter.v1.stats_export import read
+    from ..stats_files import read
 
     deadline = time.time() + timeout
     stats = None

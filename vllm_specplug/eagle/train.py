@@ -153,7 +153,7 @@ def generate_data(target: str, prompts: list[str], out: Path, max_tokens: int, *
                                        add_generation_prompt=True)
         ids = tok(text, add_special_tokens=False)["input_ids"]
         prompt_ids.append(ids[-limit:] if len(ids) > limit else ids)
-    from ..bench.engine import build_llm
+    from ..offline_engine import build_llm
     from vllm import SamplingParams
 
     t0 = time.time()

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..draft import Draft
+
 
 def validate_parents(parents: np.ndarray) -> np.ndarray:
     parents = np.asarray(parents, dtype=np.int32).reshape(-1)
@@ -79,8 +81,6 @@ def merge_drafts(first, second):
 
     Returns ``(merged, index_of_second)``: ``index_of_second[i]`` is the merged
     index of ``second``'s node i. Both drafts must have scores (or neither)."""
-    from ..proposers.base import Draft
-
     tokens: list[int] = []
     parents: list[int] = []
     scores: list[float] = []

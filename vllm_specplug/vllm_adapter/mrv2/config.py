@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 from vllm.v1.worker.gpu.spec_decode.speculator_config import SpeculatorConfig
 
-from ...budget import BATCH_BUDGET_KEY, DISABLE_BY_BATCH_SIZE_KEY
+from ...budget import BATCH_BUDGET_KEY, DISABLE_BY_BATCH_SIZE_KEY, GOODPUT_KEY
 from ...config import ISOLATION_KEY, translate
 from ...options import SpecPlugConfigError
 from ...registry import get_proposer_class
@@ -30,6 +30,9 @@ UNSUPPORTED_KEYS = {
                       "to share out; vLLM's own num_speculative_tokens_per_batch_size sets K "
                       "by batch size",
     DISABLE_BY_BATCH_SIZE_KEY: "use vLLM's own num_speculative_tokens_per_batch_size",
+    GOODPUT_KEY: "vLLM 0.34 verifies all num_speculative_tokens slots of a request (shorter "
+                 "drafts are padded), so cutting drafts saves no verification; its "
+                 "num_speculative_tokens_per_batch_size sets K by batch size",
     "tr_template": "vLLM 0.34 verifies one chain a request (no trees): Token Recycling "
                    "drafts its best path, so no tree template applies",
     "tr_topk": "as chains, Token Recycling keeps the target's best next token per token "

@@ -32,6 +32,7 @@ from ...budget import (SAVE_EVERY, AcceptanceCalibration, LengthEndings, RowPace
                       save_fit, subset)
 from ... import faults, malloc_trim
 from ...config import ADDITIONAL_CONFIG_KEY, ISOLATION_KEY, build_proposer
+from ...goodput import GoodputController, RequestBackoff
 from ...proposers.base import Draft, start_request
 from ...tree import depths
 from ...warmup import enabled as warmup_enabled
@@ -181,7 +182,7 @@ class SpecPlugDrafter(DrafterState):
         self._explore_nodes = 0.0
         # the drafter's own time (proposing, budgets, rank agreement): calls,
         # batch rows and seconds, so its overhead can be set against steps
-        self.propose_time = {"calls": 0, "rows": 0, "seconds": 0.0}
+        self.propose_time = {"calls": 0, "rows": 0, "seconds": 0.0, "draft_tokens": 0}
         # accepted against expected tokens of the drafts kept in batch steps
         self.calibration = AcceptanceCalibration()
         # Target top-k of the step just verified (set by the _sample patch):
@@ -199,6 +200,12 @@ class SpecPlugDrafter(DrafterState):
         self.step_cost = cached or StepCostModel()
         self.step_cost_from_cache = cached is not None
         self._last_step: tuple[tuple[str, ...], int, float] | None = None
+        # measured goodput cuts drafts that do not pay, engine-wide and per
+        # request (vllm_specplug.goodput); per-request caps from extra_args
+        on = plugin.get("goodput", "off") == "on"
+        self.goodput = GoodputController(enabled=on)
+        self.backoff = RequestBackoff(enabled=on)
+        self._request_caps: dict[str, int] = {}
         # True: tensor parallel, group looked up at the first step; None: one rank.
         self._tp = True if vllm_config.parallel_config.tensor_parallel_size > 1 else None
         self.faults = None
@@ -343,6 +350,7 @@ class SpecPlugDrafter(DrafterState):
         self._paced_off = None
         try:
             proposed = self._fit_to_batch(proposed, decoding, remaining)
+            proposed = self._goodput_caps(req_ids, sampled_token_ids, proposed)
         except Exception as e:  # noqa: BLE001 - a shared step: no drafts this step
             self.containment.shared_fault("budget", e)
             proposed = [self._cut(req_ids[row], d, Draft.empty()) if len(d) else d
@@ -361,6 +369,7 @@ class SpecPlugDrafter(DrafterState):
                                self._last_step[2])
         self.propose_time["calls"] += 1
         self.propose_time["rows"] += len(sampled_token_ids)
+        self.propose_time["draft_tokens"] += sum(len(d) for d in drafts)
         self.propose_time["seconds"] += time.perf_counter() - started
         self.malloc_trim.maybe(idle=False)
         stats_export.maybe_write(self)  # VLLM_SPECPLUG_STATS_FILE, see stats_export
@@ -400,7 +409,13 @@ class SpecPlugDrafter(DrafterState):
         decoding = all(sampled_token_ids)
         last = self._last_step
         if decoding and last is not None and last[0] == key:
-            self.step_cost.add(len(key) + last[1], now - last[2])
+            self.step_cost.add(len(key) + last[1], now - last[2], rows=len(key))
+            # the step's committed tokens per second against a step without
+            # drafts at these rows (what plain decoding would have done)
+            a, b = self.step_cost.fit(len(key))
+            committed = sum(len(s) for s in sampled_token_ids[: len(key)])
+            self.goodput.record(committed / len(key) * (a + b * len(key)) / (now - last[2]),
+                                now - last[2])
             if self._cost_cache and self.step_cost.samples % SAVE_EVERY == 0:
                 try:
                     save_fit(self.step_cost, self._cost_cache)
@@ -421,6 +436,7 @@ class SpecPlugDrafter(DrafterState):
                 and int(token_ids_cpu[row, seen[0] - 1]) == seen[1]):
             if n > seen[0]:  # the last step committed n - seen[0] tokens (one not drafted)
                 self.calibration.settle(req_id, n - seen[0] - 1)
+                self.backoff.settle(req_id, n - seen[0] - 1)
                 self.paces.committed(req_id, n - seen[0])
             if n > seen[0] or topk is not None:
                 self._hook = "observe"
@@ -432,6 +448,11 @@ class SpecPlugDrafter(DrafterState):
                 self.proposer.finish(req_id)
             self._hook = "start"
             info = tenancy.request_info(self.runner, req_id, self._salts, self.isolation)
+            cap = tenancy.draft_cap(self.runner, req_id)
+            if cap is None:
+                self._request_caps.pop(req_id, None)
+            else:
+                self._request_caps[req_id] = cap
             self._preempted.discard(req_id)
             start_request(self.proposer, req_id, token_ids_cpu[row, :n].tolist(), info)
             if topk is not None:
@@ -495,7 +516,7 @@ class SpecPlugDrafter(DrafterState):
         mode = self.plugin.get("batch_budget", "auto")
         if mode == "off" or decoding < 2:
             return drafts
-        a, b = self.step_cost.fit()
+        a, b = self.step_cost.fit(decoding)
         # nodes EXPLORE_SHARE of this step's time buys (a unitless count, so
         # the carried credit survives the cost fit's change of scale)
         share = EXPLORE_SHARE * (a / b + decoding) if b > 0 else float(proposed)
@@ -530,6 +551,27 @@ class SpecPlugDrafter(DrafterState):
         kept = sum(len(d) for d in out)
         stats["nodes_proposed"] += proposed
         stats["nodes_kept"] += kept
+        return out
+
+    def _goodput_caps(self, req_ids: Sequence[str], sampled_token_ids,
+                      proposed: list[Draft]) -> list[Draft]:
+        """Each decoding row's draft cut to what the goodput controller's
+        level, the request's backoff and its own ``specplug_max_draft``
+        allow (a prefix of the nodes: parents come first, so it is a tree)."""
+        scale = self.goodput.scale
+        out = []
+        for row, d in enumerate(proposed):
+            req_id = req_ids[row]
+            if not sampled_token_ids[row] or req_id in self.containment:
+                out.append(d)
+                continue
+            n = len(d)
+            cap = self.backoff.cap(req_id, self.goodput.cap(n, scale))
+            cap = min(cap, self._request_caps.get(req_id, cap))
+            if cap < n:
+                d = self._cut(req_id, d, subset(d, np.arange(n) < cap))
+            self.backoff.drafted(req_id, len(d))
+            out.append(d)
         return out
 
     def _cut(self, req_id: str, draft: Draft, kept: Draft) -> Draft:
@@ -604,6 +646,8 @@ class SpecPlugDrafter(DrafterState):
         self.paces.forget(req_id)
         self.trees.pop(req_id, None)
         self.calibration.forget(req_id)
+        self.backoff.forget(req_id)
+        self._request_caps.pop(req_id, None)
         try:
             self._hook = "finish"
             self.proposer.finish(req_id)
@@ -635,28 +679,33 @@ class SpecPlugDrafter(DrafterState):
 
     # ------------------------------------------------------------ introspection
     def stats(self) -> dict[str, int]:
-        a, b = self.step_cost.fit()
+        c0, c_row, c_draft = (float(v) for v in self.step_cost.coefficients())
         out = {"active_requests": self.proposer.active_requests(),
                "state_bytes": self.proposer.state_nbytes(),
                "errors": self.containment.errors, "trees_held": len(self.trees),
                "faults": self.containment.stats(),
                "batch_budget": dict(self.batch_stats),
                "propose_time": dict(self.propose_time),
+               "goodput": self.goodput.stats(), "backoff": self.backoff.stats(),
                "calibration": self.calibration.stats(),
                "pacing": {"waiting": self._waiting,
                           "ran_to_max_tokens_share": round(self.length_endings.share, 4),
                           "finished": self.length_endings.finished,
                           "binding": self.length_endings.binding,
                           "overall_pace": round(self.paces.overall, 4)},
-               "step_cost": {"samples": self.step_cost.samples, "a_s": float(a),
+               "step_cost": {"samples": self.step_cost.samples, "c0_s": c0,
+                             "row_s": c_row, "draft_s": c_draft,
                              "from_cache": self.step_cost_from_cache,
-                             "b_s": float(b), "relative_token_cost":
+                             "cache_dropped": self.step_cost.prior_dropped,
+                             "relative_token_cost":
                              float(self.step_cost.relative_token_cost(1))}}
         out["proposer"] = self.proposer.debug_stats()
         # entries of each structure that grows with traffic (docs/architecture.md, "Bounds")
         out["sizes"] = {"drafter_requests": len(self._seen), "drafter_trees": len(self.trees),
                         "drafter_remaining": len(self._remaining),
                         "drafter_paces": len(self.paces),
+                        "backoff_requests": len(self.backoff),
+                        "request_caps": len(self._request_caps),
                         "calibration_pending": len(self.calibration.pending),
                         "pending_topk": len(self.pending_topk),
                         **self.proposer.structure_sizes()}

@@ -106,10 +106,12 @@ SAMPLING_OPTIONS: dict[str, Option] = {
     "stream_interval": Option(OUTSIDE, "output processing"),
     "skip_clone": Option(OUTSIDE, "engine input processing"),
     "output_text_buffer_length": Option(OUTSIDE, "detokenizer"),
-    "extra_args": Option(OUTSIDE, "not used by verification; its key specplug_share "
+    "extra_args": Option(OUTSIDE, "not used by verification; its keys specplug_share "
                          "(false or 0: the request neither reads nor feeds cross-request "
-                         "memory, docs/security.md) is read by the drafter, other values "
-                         "and specplug keys are refused", "tests/test_isolation.py"),
+                         "memory, docs/security.md), specplug_draft (false or 0: no drafts) "
+                         "and specplug_max_draft (at most n draft tokens a step) are read by "
+                         "the drafter, other values and specplug keys are refused",
+                         "tests/test_isolation.py"),
     "skip_reading_prefix_cache": Option(OUTSIDE, "prefill (prefix cache)"),
     "routed_experts_prompt_start": Option(OUTSIDE, "MoE routing capture of the prompt"),
 }

@@ -33,6 +33,8 @@ import time
 import weakref
 from typing import Any
 
+from ...stats_files import read  # noqa: F401 - re-exported (readers: stats_files)
+
 logger = logging.getLogger("vllm_specplug")
 
 ENV_FILE = "VLLM_SPECPLUG_STATS_FILE"
@@ -112,9 +114,3 @@ def maybe_write(drafter: Any, freed: bool = False) -> None:
         logger.warning("vllm_specplug: cannot write the drafter stats to %s (%s); "
                        "stats export stops", exp.path, e)
         _EXPORTERS[drafter] = None
-
-
-def read(path: str) -> dict:
-    """The last object written to ``path`` (for tests and tools)."""
-    with open(path) as f:
-        return json.load(f)

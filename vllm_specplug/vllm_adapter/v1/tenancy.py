@@ -15,6 +15,10 @@ that memory apart by ``RequestInfo.tenant``; this module makes the key:
   values cannot be objects or booleans) gets None whatever the mode: it
   neither reads nor feeds shared memory.
 
+The same ``extra_args`` carry a request's own draft limits (``draft_cap``):
+``"specplug_draft": False`` (or 0) decodes it without drafts,
+``"specplug_max_draft": n`` drafts at most n tokens a step.
+
 vLLM 0.32 does not send ``cache_salt`` to the workers (the scheduler hashes
 it into block hashes only), so ``make_from_request`` (a patch of
 ``NewRequestData.from_request``, applied in every process) copies it onto
@@ -49,27 +53,69 @@ _UNKNOWN = object()
 _SCHEDULED = object()
 
 
+#: ``extra_args["specplug_draft"]``: False (or 0): no drafts for this request.
+DRAFT_KEY = "specplug_draft"
+#: ``extra_args["specplug_max_draft"]``: at most this many draft tokens a step.
+MAX_DRAFT_KEY = "specplug_max_draft"
+#: The request keys and what each does (for error messages).
+REQUEST_KEYS = {
+    SHARE_KEY: "true or false (1 or 0); false: this request neither reads nor feeds "
+               "cross-request memory",
+    DRAFT_KEY: "true or false (1 or 0); false: this request is decoded without drafts",
+    MAX_DRAFT_KEY: "an integer >= 0: at most this many draft tokens a step for this request",
+}
+
+
 def _valid_share(value: Any) -> bool:
     return type(value) in (bool, int) and value in SHARE_VALUES
 
 
+def _valid_max_draft(value: Any) -> bool:
+    return type(value) is int and value >= 0
+
+
 def check_extra_args(extra_args: Any) -> None:
     """Raise ``ValueError`` naming what to change when the request's
-    ``extra_args`` has a ``specplug`` key other than ``specplug_share``, or
-    that key with a value other than true, false, 1 or 0."""
+    ``extra_args`` has a ``specplug`` key that is not one of ``REQUEST_KEYS``,
+    or one of them with a value it does not take."""
     if not isinstance(extra_args, dict):
         return
     how = (f'e.g. SamplingParams(extra_args={{"{SHARE_KEY}": False}}), or through the '
            f'OpenAI server "vllm_xargs": {{"{SHARE_KEY}": 0}}')
     unknown = sorted(k for k in extra_args
-                     if isinstance(k, str) and k.startswith(REQUEST_PREFIX) and k != SHARE_KEY)
+                     if isinstance(k, str) and k.startswith(REQUEST_PREFIX)
+                     and k not in REQUEST_KEYS)
     if unknown:
-        raise ValueError(f"extra_args has unknown vllm_specplug keys {unknown}; the only one is "
-                         f"{SHARE_KEY!r} (false: this request neither reads nor feeds "
-                         f"cross-request memory), {how}")
-    if SHARE_KEY in extra_args and not _valid_share(extra_args[SHARE_KEY]):
-        raise ValueError(f"extra_args[{SHARE_KEY!r}] must be true or false (1 or 0), got "
-                         f"{extra_args[SHARE_KEY]!r}; {how}")
+        keys = "; ".join(f"{k!r}: {what}" for k, what in REQUEST_KEYS.items())
+        raise ValueError(f"extra_args has unknown vllm_specplug keys {unknown}; the keys are "
+                         f"{keys}; {how}")
+    for key, valid in ((SHARE_KEY, _valid_share), (DRAFT_KEY, _valid_share),
+                       (MAX_DRAFT_KEY, _valid_max_draft)):
+        if key in extra_args and not valid(extra_args[key]):
+            raise ValueError(f"extra_args[{key!r}] must be {REQUEST_KEYS[key]}, got "
+                             f"{extra_args[key]!r}; {how}")
+
+
+def draft_cap(runner: Any, req_id: str) -> int | None:
+    """The request's own limit on draft tokens a step, from its
+    ``extra_args`` (``specplug_draft`` false: 0; ``specplug_max_draft``);
+    None without one. Values vLLM's validation (with our patch) refused
+    never get here; an invalid one counts as no drafts, the safe side."""
+    if runner is None:   # a drafter driven without vLLM's runner (unit tests)
+        return None
+    params = runner.requests[req_id].sampling_params
+    extra = None if params is None else params.extra_args
+    if not extra:
+        return None
+    cap = None
+    if DRAFT_KEY in extra:
+        value = extra[DRAFT_KEY]
+        if not (_valid_share(value) and bool(value)):
+            return 0
+    if MAX_DRAFT_KEY in extra:
+        value = extra[MAX_DRAFT_KEY]
+        cap = value if _valid_max_draft(value) else 0
+    return cap
 
 
 def shares(sampling_params: Any) -> bool:
