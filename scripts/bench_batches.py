@@ -7,17 +7,18 @@ prompts in batches of N (sessions turn by turn), as `specplug bench
 
 Writes OUT/raw/METHOD.batch.json (token ids included), OUT/results.json and
 a Markdown table on stdout: tau, tokens/s, speedup against plain, outputs
-differing from plain's, and the drafter's batch-budget counters.
+differing from plain's, and the drafter's batch-budget counters. The same
+cells for several batch sizes, workloads and served concurrencies at once:
+`specplug bench matrix` (docs/benchmarks.md, "Benchmark matrix").
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 
-from vllm_specplug.bench.run import batch_entry, environment, method_config, run_worker
-from vllm_specplug.cli import _parse_overrides
+from vllm_specplug.bench.matrix import run_batch_pass
+from vllm_specplug.bench.run import batch_entry, environment, method_config, parse_overrides
 from vllm_specplug.bench.workloads import load_workload
 from vllm_specplug.models import default_model_path
 
@@ -35,7 +36,7 @@ def main() -> None:
                     metavar="METHOD=JSON",
                     help="override a method's config (METHOD@LABEL=JSON: a variant)")
     args = ap.parse_args()
-    overrides = _parse_overrides(args.speculative_config)
+    overrides = parse_overrides(args.speculative_config)
     prompts = load_workload(args.workload, half=args.half, limit=args.limit)
     methods = ["plain"] + [m for m in args.methods.split(",") if m and m != "plain"]
     (args.out / "raw").mkdir(parents=True, exist_ok=True)
@@ -43,11 +44,8 @@ def main() -> None:
     model = default_model_path()
     raw = {}
     for m in methods:
-        cfg = {"method_name": m, "model": model, "speculative_config": method_config(m, overrides),
-               "prompts": prompts, "max_tokens": args.max_tokens, "temperature": 0.0,
-               "repeat": 0, "batch_size": args.batch_size, "engine": {}}
-        raw[m] = run_worker(cfg, log, args.out / "raw" / f"{m}.batch.json")
-        raw[m]["load_1min"] = os.getloadavg()[0]
+        raw[m] = run_batch_pass(model, m, method_config(m, overrides), prompts, args.batch_size,
+                                args.max_tokens, log, args.out / "raw" / f"{m}.batch.json")
     res = {"workload": args.workload, "half": args.half, "limit": args.limit,
            "requests": len(prompts), "batch_size": args.batch_size,
            "max_tokens": args.max_tokens, "environment": environment(), "methods": {}}

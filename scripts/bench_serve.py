@@ -12,13 +12,15 @@ OUT/concurrency.png. With several concurrencies, each level sends
 max(--num-prompts, 2 * C) prompts. With --rounds R, every method's server
 runs at once and each level is R interleaved rounds (OUT/interleaved.md:
 paired per-round ratios to plain, which machine drift does not bias; round r
-draws its own prompts, the same for every method).
+draws its own prompts, the same for every method). The benchmark workloads'
+sessions at several concurrencies, outputs checked against plain's:
+`specplug bench matrix` (one implementation of the server settings:
+vllm_specplug/bench/server.py).
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -27,12 +29,9 @@ from pathlib import Path
 
 def serve_args_for(method: str) -> list[str]:
     from vllm_specplug.bench.engine import METHOD_CONFIGS
+    from vllm_specplug.bench.server import serve_args
 
-    args = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "4096",
-            "--served-model-name", "smollm2"]
-    if METHOD_CONFIGS[method] is not None:
-        args += ["--speculative-config", json.dumps(METHOD_CONFIGS[method])]
-    return args
+    return serve_args(METHOD_CONFIGS[method], "smollm2")
 
 
 def add_method_configs(specs: list[str]) -> list[str]:
@@ -89,10 +88,10 @@ def round_dataset(out: Path, concurrency: int, round_: int, n: int) -> Path:
 
 
 def server_env(method: str, out: Path) -> dict[str, str]:
-    """The server's KV cache size, and where our drafter writes its counters
-    (batch budgets, its own time; cumulative over the server's life)."""
-    return {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
-            "VLLM_SPECPLUG_STATS_FILE": str(out / f"{method}.drafter_stats.json")}
+    """``bench.server.server_env``, the drafter's counters in OUT/METHOD.drafter_stats.json."""
+    from vllm_specplug.bench.server import server_env as env
+
+    return env(out / f"{method}.drafter_stats.json")
 
 
 def run_method(method: str, model: str, args: argparse.Namespace, out: Path,

@@ -50,3 +50,37 @@ def test_always_rejected_drafts_are_backed_off(get_llm, prompts):
     assert stats["backoff"]["mutes"] >= len(prompts), stats["backoff"]
     # every request left: the backoff keeps no record of it
     assert stats["sizes"]["backoff_requests"] == 0, stats["sizes"]
+
+
+def _counts(llm, prompts, extra_args):
+    from vllm import SamplingParams
+
+    before = engine_stats(llm)["propose_time"]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, extra_args=extra_args)
+    # one request at a time: a batch's budget would cut sam's drafts anyway
+    outs = [llm.chat([[{"role": "user", "content": p}]], params, use_tqdm=False)[0]
+            for p in prompts]
+    after = engine_stats(llm)["propose_time"]
+    return outs, after["draft_tokens"] - before["draft_tokens"], after["rows"] - before["rows"]
+
+
+def test_a_request_turns_its_drafts_off_or_caps_them(get_llm, prompts):
+    """Per request, offline: extra_args "specplug_draft": False decodes the
+    request without drafts, "specplug_max_draft": 1 drafts at most one token
+    a row-step. One request at a time; the prompts were answered once before,
+    so sam's global store holds the answers and the same requests without the
+    keys draft more than 2 tokens a row-step (the floor that lets this test
+    fail). Outputs are plain's."""
+    ref = chat(get_llm("plain"), prompts, max_tokens=MAX_TOKENS)
+    llm = get_llm("sam_k8", {"method": "sam", "num_speculative_tokens": K,
+                             "batch_budget": "off"})
+    _counts(llm, prompts, None)          # the answers enter the global store
+    free, drafted, rows = _counts(llm, prompts, None)
+    assert_same_tokens(ref, free)
+    assert drafted > 2 * rows, (drafted, rows)
+    off, drafted, rows = _counts(llm, prompts, {"specplug_draft": False})
+    assert_same_tokens(ref, off)
+    assert drafted == 0 and rows > 0
+    capped, drafted, rows = _counts(llm, prompts, {"specplug_max_draft": 1})
+    assert_same_tokens(ref, capped)
+    assert 0 < drafted <= rows, (drafted, rows)

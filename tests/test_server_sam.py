@@ -97,3 +97,34 @@ def test_vllm_bench_serve_spec_bench_against_sam(server, model_path, tmp_path):
     assert res["completed"] == 3 and res.get("failed", 0) == 0
     assert res["total_output_tokens"] > 0
     print(r.stdout[-3000:])
+
+
+def _draft_tokens(server) -> float:
+    text = requests.get(server + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:spec_decode_num_draft_tokens_total"))
+
+
+def test_served_request_turns_drafts_off_or_caps_them(server, prompts_and_reference):
+    """Per request through the OpenAI server's vllm_xargs: "specplug_draft": 0
+    drafts nothing, "specplug_max_draft": 1 at most a token a step (counted
+    by the server's metrics; one request at a time), a malformed value is a
+    400 naming the key; outputs stay plain decoding's."""
+    import openai
+
+    client = _client(server)
+    prompts, ref = prompts_and_reference
+
+    def ask(xargs):
+        before = _draft_tokens(server)
+        r = client.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": prompts[3]}], temperature=0,
+            max_tokens=MAX_TOKENS, extra_body={"return_token_ids": True, "vllm_xargs": xargs})
+        assert r.choices[0].model_extra["token_ids"] == ref[3]
+        return _draft_tokens(server) - before
+
+    assert ask({"specplug_share": 1}) > MAX_TOKENS / 4    # drafts flow without the keys
+    assert ask({"specplug_draft": 0}) == 0
+    assert 0 < ask({"specplug_max_draft": 1}) <= MAX_TOKENS
+    with pytest.raises(openai.BadRequestError, match="specplug_max_draft"):
+        ask({"specplug_max_draft": -1})

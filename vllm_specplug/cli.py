@@ -1,5 +1,5 @@
-"""``specplug``: demo, bench, list, prepare-model, answers, build-tr, build-sam, train-eagle,
-and a ``vllm`` CLI wrapper."""
+"""``specplug``: demo, bench (and bench matrix, bench soak), list, prepare-model,
+answers, build-tr, build-sam, train-eagle, and a ``vllm`` CLI wrapper."""
 from __future__ import annotations
 
 import argparse
@@ -31,25 +31,9 @@ README_PRESET = {"methods": "plain,ngram,suffix,sam,token_recycling,sam_tr,del",
                  "max_tokens": 128}
 
 
-def _parse_overrides(items: list[str]) -> dict[str, dict]:
-    out: dict[str, dict] = {}
-    for item in items or []:
-        name, sep, js = item.partition("=")
-        if not sep:
-            raise SystemExit(f"--speculative-config expects METHOD=JSON, got {item!r}")
-        try:
-            val = json.loads(js)
-        except json.JSONDecodeError as e:
-            raise SystemExit(f"--speculative-config {name}: not JSON ({e})")
-        if not isinstance(val, dict):
-            raise SystemExit(f"--speculative-config {name}: expected a JSON object")
-        out[name] = val
-    return out
-
-
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import report
-    from .bench.run import BenchError, run_bench
+    from .bench.run import BenchError, parse_overrides, run_bench
 
     t0 = time.perf_counter()
     model = args.model
@@ -79,7 +63,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     try:
         res = run_bench(model, methods, prompts, max_tokens=max_tokens,
                         temperature=args.temperature, out_dir=Path(args.out),
-                        overrides=_parse_overrides(args.speculative_config),
+                        overrides=parse_overrides(args.speculative_config),
                         repeat=args.repeat, batch=args.batch, quality=args.quality, engine=engine,
                         eagle_head=args.eagle_head, reuse_raw=args.reuse_raw,
                         batch_size=args.batch_size, workload=args.workload)
@@ -483,7 +467,14 @@ def build_parser() -> argparse.ArgumentParser:
                              "results/benchmarks.json beside the page's docs folder)")
         sp.set_defaults(func=cmd_bench)
 
-    bench_args(sub.add_parser("bench", help="Spec-Bench style comparison"), quick=False)
+    bench_args(sub.add_parser(
+        "bench", help="Spec-Bench style comparison (also: bench matrix, bench soak)",
+        epilog="Two more benchmarks with their own options: `specplug bench matrix` (every "
+               "method on Spec-Bench, pipeline and agentic, in fixed batches of 1, 4, 16 and "
+               "served to 1, 8, 32 concurrent clients: a table of tokens/s against plain and "
+               "suffix, a plot, every output checked against plain; `specplug bench matrix "
+               "--help`) and `specplug bench soak` (a server's memory under long mixed "
+               "traffic; `specplug bench soak --help`)."), quick=False)
     bench_args(sub.add_parser("demo", help="a quick bench on the embedded model"), quick=True)
     sp = sub.add_parser("prepare-model", help="convert the embedded model; print its folder")
     sp.set_defaults(func=cmd_prepare_model)
@@ -577,6 +568,10 @@ def main(argv: list[str] | None = None) -> int:
         from .bench.soak import main as soak_main
 
         return soak_main(argv[2:])
+    if argv[:2] == ["bench", "matrix"]:  # its own options (see bench/matrix.py)
+        from .bench.matrix import main as matrix_main
+
+        return matrix_main(argv[2:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 

@@ -22,6 +22,24 @@ class BenchError(RuntimeError):
     pass
 
 
+def parse_overrides(items: list[str]) -> dict[str, dict]:
+    """``--speculative-config METHOD=JSON`` options as {METHOD: config};
+    exits naming the option when one is malformed."""
+    out: dict[str, dict] = {}
+    for item in items or []:
+        name, sep, js = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--speculative-config expects METHOD=JSON, got {item!r}")
+        try:
+            val = json.loads(js)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"--speculative-config {name}: not JSON ({e})")
+        if not isinstance(val, dict):
+            raise SystemExit(f"--speculative-config {name}: expected a JSON object")
+        out[name] = val
+    return out
+
+
 def method_config(name: str, overrides: dict[str, dict] | None = None,
                   eagle_head: str | None = None) -> dict | None:
     """The speculative config of a method name (ours or a baseline).
@@ -314,12 +332,8 @@ def batch_entry(b: dict, plain: dict) -> dict:
         return Counters(x["generated"], x["accepted"], x["drafts"], x["draft_tokens"],
                         x["seconds"], list(x["accepted_per_pos"]))
 
-    ids = b.get("ids") or list(range(len(b["token_ids"])))
-    plain_ids = plain.get("ids") or list(range(len(plain["token_ids"])))
-    plain_out = dict(zip(plain_ids, plain["token_ids"]))
     out = {**summary(counters(b), counters(plain, base=True)),
-           "outputs_differing_from_plain": sum(
-               t != plain_out.get(i) for i, t in zip(ids, b["token_ids"]))}
+           "outputs_differing_from_plain": len(differing_ids(b, plain))}
     if "batches" in b:
         out["batch_size"] = b["batch_size"]
         out["batches"] = [{"size": len(x["ids"]), "seconds": x["seconds"],
@@ -329,3 +343,12 @@ def batch_entry(b: dict, plain: dict) -> dict:
                            "tau": counters(x).tau}
                           for x in b["batches"]]
     return out
+
+
+def differing_ids(b: dict, plain: dict) -> list:
+    """Ids of the rows of a run (``ids`` beside ``token_ids``; row numbers
+    without them) whose token ids are not plain's for the same id."""
+    ids = b.get("ids") or list(range(len(b["token_ids"])))
+    plain_ids = plain.get("ids") or list(range(len(plain["token_ids"])))
+    plain_out = dict(zip(plain_ids, plain["token_ids"]))
+    return [i for i, t in zip(ids, b["token_ids"]) if t != plain_out.get(i)]

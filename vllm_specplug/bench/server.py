@@ -1,7 +1,9 @@
 """A real ``vllm serve`` (through ``specplug vllm serve``) in a subprocess, for
-the serving benchmark script and the server tests."""
+the serving benchmarks (scripts/bench_serve.py, ``specplug bench matrix``)
+and the server tests."""
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -11,6 +13,26 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Sequence
+
+
+def serve_args(speculative_config: dict | None, served_name: str,
+               max_model_len: int = 4096) -> list[str]:
+    """``vllm serve`` options matching the offline engine's
+    (``offline_engine.engine_kwargs``: float32, eager, 4,096 tokens, seed 0),
+    with the method's speculative config (None: plain decoding)."""
+    args = ["--dtype", "float32", "--enforce-eager", "--max-model-len", str(max_model_len),
+            "--served-model-name", served_name, "--seed", "0"]
+    if speculative_config is not None:
+        args += ["--speculative-config", json.dumps(speculative_config)]
+    return args
+
+
+def server_env(stats_file: Path) -> dict[str, str]:
+    """The server's KV cache size (the user's, else 2 GB), and where our
+    drafter writes its counters (batch budgets, its own time; cumulative
+    over the server's life)."""
+    return {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
+            "VLLM_SPECPLUG_STATS_FILE": str(stats_file)}
 
 
 def free_port() -> int:
