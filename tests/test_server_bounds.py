@@ -19,7 +19,9 @@ pytestmark = pytest.mark.server
 REQUESTS = 96
 STORE_TOKENS = 1024
 K = 8
-SPEC = {"method": "sam_tr", "num_speculative_tokens": K, "sam_global_tokens": STORE_TOKENS}
+# the goodput controller on, so its per-request backoff records are exercised too
+SPEC = {"method": "sam_tr", "num_speculative_tokens": K, "sam_global_tokens": STORE_TOKENS,
+        "goodput": "on"}
 
 
 def test_structures_stay_within_their_bounds(model_path, tmp_path):
@@ -44,12 +46,14 @@ def test_structures_stay_within_their_bounds(model_path, tmp_path):
     # glibc's free memory given back in the drafter's process (vllm_specplug.malloc_trim):
     # idle between bursts, at most every 0.5 s here
     assert last["malloc_trim"]["on"] and last["malloc_trim"]["calls"] >= 2, last["malloc_trim"]
+    # the backoff saw the requests (and freed each record: sizes below)
+    assert last["goodput"]["enabled"] and last["backoff"]["enabled"], last["goodput"]
     sizes = dict(last["sizes"])
     print("sizes:", sizes, "store:", {k: v for k, v in last["proposer"]["sam"].items()
                                       if k.startswith("global_store")})
     # per request: freed once no request runs (finished, aborted or preempted)
     for key in ("drafter_requests", "drafter_trees", "drafter_remaining", "drafter_paces",
-                "calibration_pending", "sam_requests",
+                "backoff_requests", "request_caps", "calibration_pending", "sam_requests",
                 "sam_pending", "sam_choices", "sam_corpus_matches", "sam_global_matches",
                 "sam_tenants", "sam_stop_requests", "tr_requests", "tr_private_matrices",
                 "hybrid_branches", "hybrid_chains"):
