@@ -410,12 +410,13 @@ class SpecPlugDrafter(DrafterState):
         last = self._last_step
         if decoding and last is not None and last[0] == key:
             self.step_cost.add(len(key) + last[1], now - last[2], rows=len(key))
-            # the step's committed tokens per second against a step without
-            # drafts at these rows (what plain decoding would have done)
-            a, b = self.step_cost.fit(len(key))
-            committed = sum(len(s) for s in sampled_token_ids[: len(key)])
-            self.goodput.record(committed / len(key) * (a + b * len(key)) / (now - last[2]),
-                                now - last[2])
+            if self.goodput.enabled:
+                # the step's committed tokens per second against a step
+                # without drafts at these rows (what plain decoding would do)
+                a, b = self.step_cost.fit(len(key))
+                committed = sum(len(s) for s in sampled_token_ids[: len(key)])
+                self.goodput.record(
+                    committed / len(key) * (a + b * len(key)) / (now - last[2]), now - last[2])
             if self._cost_cache and self.step_cost.samples % SAVE_EVERY == 0:
                 try:
                     save_fit(self.step_cost, self._cost_cache)
@@ -557,7 +558,11 @@ class SpecPlugDrafter(DrafterState):
                       proposed: list[Draft]) -> list[Draft]:
         """Each decoding row's draft cut to what the goodput controller's
         level, the request's backoff and its own ``specplug_max_draft``
-        allow (a prefix of the nodes: parents come first, so it is a tree)."""
+        allow (a prefix of the nodes: parents come first, so it is a tree).
+        With the controller off and no request's own cap (the default)
+        nothing is cut, so the per-row loop is skipped."""
+        if not self.goodput.enabled and not self._request_caps:
+            return proposed
         scale = self.goodput.scale
         out = []
         for row, d in enumerate(proposed):
