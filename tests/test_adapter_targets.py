@@ -56,11 +56,15 @@ VLLM_ATTRIBUTES = [
     # tenancy.py (cross-request memory kept apart by cache_salt and LoRA adapter)
     ("vllm.v1.request", "Request", "cache_salt"),
     ("vllm.v1.core.sched.output", "SchedulerOutput", "scheduled_new_reqs"),
+    # drafter.py (malloc_trim only in a step that schedules nothing)
+    ("vllm.v1.core.sched.output", "SchedulerOutput", "total_num_scheduled_tokens"),
     ("vllm.v1.core.sched.output", "NewRequestData", "req_id"),
     # queue_state.py (the queue length the Scheduler.schedule patch sends)
     ("vllm.v1.core.sched.scheduler", "Scheduler", "get_request_counts"),
     ("vllm.v1.worker.gpu_input_batch", "CachedRequestState", "lora_request"),
     ("vllm.lora.request", "LoRARequest", "lora_name"),
+    ("vllm.lora.request", "LoRARequest", "lora_int_id"),
+    ("vllm.lora.request", "LoRARequest", "lora_path"),
     ("vllm.sampling_params", "SamplingParams", "extra_args"),
     ("vllm.v1.worker.gpu_input_batch", "InputBatch", "req_ids"),
     ("vllm.v1.worker.gpu_input_batch", "InputBatch", "req_id_to_index"),

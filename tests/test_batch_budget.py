@@ -478,7 +478,8 @@ def _scheduler_output(req_ids, waiting):
 
     from vllm_specplug.vllm_adapter.v1.queue_state import WAITING_ATTR
 
-    out = NS(scheduled_new_reqs=[NS(req_id=r, specplug_cache_salt=None) for r in req_ids])
+    out = NS(scheduled_new_reqs=[NS(req_id=r, specplug_cache_salt=None) for r in req_ids],
+             total_num_scheduled_tokens=len(req_ids))
     if waiting is not None:
         setattr(out, WAITING_ATTR, waiting)
     return out

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vllm_specplug.proposers.sam import MAX_BUCKET, AcceptanceByMatchLength
+from vllm_specplug.vllm_adapter.v1.drafter import MAX_PREEMPTED
 
 
 # ------------------------------------------------------ acceptance tables
@@ -124,6 +125,7 @@ def test_token_recycling_state_bounded():
     sizes = prop.structure_sizes()
     assert sizes["tr_requests"] == 0
     assert sizes["tr_template_cache"] <= 8 + 1
+    assert sizes["tr_matrices"] == 1 and sizes["tr_private_matrices"] == 0
     assert prop.debug_stats()["matrix_rows"] <= 300 + ROW_GROWTH
 
 
@@ -136,6 +138,7 @@ def test_sam_tr_state_freed():
     sizes = prop.structure_sizes()
     sizes.pop("sam_acceptance_cache")
     sizes.pop("tr_template_cache")
+    assert sizes.pop("tr_matrices") <= 1     # the default tenant's, kept
     assert sizes.pop("sam_completed") <= 1
     # preempted and never finished (the drafter reports finishes): at most
     # MAX_TRACKED_PROMPTS, the oldest forgotten
@@ -172,7 +175,37 @@ def test_drafter_state_freed_after_traffic(patch_calls):
     sizes.pop("sam_acceptance_cache")
     sizes.pop("sam_prompt_lens")   # preempted, never finished: bounded by MAX_TRACKED_PROMPTS
     assert sizes.pop("sam_completed") <= 6   # finished in the last step: added at the next
+    # preempted, never finished (vLLM finishes or resumes each; bounded)
+    assert 0 < sizes.pop("drafter_preempted") <= MAX_PREEMPTED
     assert set(sizes.values()) == {0}, sizes
+
+
+def test_requests_preempted_and_never_finished_are_bounded(patch_calls, monkeypatch):
+    """``drafter_preempted`` and ``drafter_salts`` (issue 45 item 10: sizes
+    missing from ``sizes``): the first holds at most ``MAX_PREEMPTED``
+    requests; both are emptied as the requests finish."""
+    from types import SimpleNamespace as NS
+
+    from helpers import make_vllm_config, step
+
+    from vllm_specplug.vllm_adapter.v1 import drafter as drafter_mod
+
+    monkeypatch.setattr(drafter_mod, "MAX_PREEMPTED", 8)
+    d = drafter_mod.SpecPlugDrafter(make_vllm_config({"method": "sam",
+                                                      "num_speculative_tokens": 4}))
+    for i in range(40):
+        d.note_scheduler_output(NS(scheduled_new_reqs=[NS(req_id=f"r{i}",
+                                                          specplug_cache_salt="s")],
+                                   total_num_scheduled_tokens=1))
+        step(d, [f"r{i}"], [[1, 2, 3, 1]], [[1]])
+        step(d, [], [], [])                       # r{i} leaves unfinished: preempted
+    sizes = d.stats()["sizes"]
+    assert sizes["drafter_preempted"] == 8, sizes
+    assert sizes["drafter_salts"] == 40, sizes
+    for i in range(40):                           # finished or aborted at last
+        d.finish_request(f"r{i}")
+    sizes = d.stats()["sizes"]
+    assert (sizes["drafter_preempted"], sizes["drafter_salts"]) == (0, 0), sizes
 
 
 def test_calibration_pending_bounded(monkeypatch):

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from helpers import arrays, make_vllm_config, step
-from test_drafter_unit import _Runner, _State
+from test_drafter_unit import _State, _attach
 from vllm_specplug.proposers.base import TargetTopK
 from vllm_specplug.vllm_adapter.v1 import drafter as drafter_mod
 from vllm_specplug.vllm_adapter.v1.drafter import SpecPlugDrafter
@@ -103,22 +103,25 @@ def test_calibration_settles_the_accepted_drafts_of_the_last_step(drafter, monke
 # ------------------------------------------------------------- tenancy
 class _LoRA:
     lora_name = "adapter-7"
+    lora_int_id = 7
+    lora_path = "/adapters/7"
 
 
 def test_the_proposer_starts_a_request_with_its_tenant(patch_calls, monkeypatch):
     d = SpecPlugDrafter(make_vllm_config())
     state = _State(5, None)
     state.lora_request = _LoRA()
-    d.runner = _Runner({"a": state})
+    _attach(d, {"a": state})
     d.note_scheduler_output(NS(scheduled_new_reqs=[NS(req_id="a",
-                                                     specplug_cache_salt="salt-a")]))
+                                                     specplug_cache_salt="salt-a")],
+                               total_num_scheduled_tokens=1))
     got = []
     orig = d.proposer.start
     monkeypatch.setattr(d.proposer, "start", lambda req_id, tokens, info=None: (
         got.append(info), orig(req_id, tokens, info=info))[1])
     step(d, ["a"], [[1, 2, 3, 1, 2]], [[2]])
     assert len(got) == 1 and got[0].num_prompt_tokens == 5
-    assert got[0].tenant == ("salt-a", "adapter-7")
+    assert got[0].tenant == ("salt-a", ("adapter-7", 7, "/adapters/7"))
 
 
 # ------------------------------------------------------------- top-k
@@ -243,7 +246,7 @@ def test_a_step_cost_cache_that_cannot_be_written_is_dropped_with_a_warning(
 # ------------------------------------------------- state freed on the way out
 def _bounded(patch_calls, max_tokens=20):
     d = SpecPlugDrafter(make_vllm_config())
-    d.runner = _Runner({r: _State(4, max_tokens) for r in "abc"})
+    _attach(d, {r: _State(4, max_tokens) for r in "abc"})
     return d
 
 
@@ -277,14 +280,14 @@ def test_leaving_the_batch_frees_every_per_request_structure(patch_calls):
     assert all(_per_request_state(d, "a").values())
     step(d, ["b"], [hists["b"] + [5]], [[5]])              # a preempted
     assert not any(_per_request_state(d, "a").values()), _per_request_state(d, "a")
-    assert d._preempted == {"a"}
+    assert list(d._preempted) == ["a"]
 
 
 def test_a_faulted_request_that_finishes_leaves_no_trace(patch_calls, monkeypatch):
     d = _bounded(patch_calls)
     _Recorder(monkeypatch, d.proposer, raise_in="propose")
     step(d, ["a", "b"], [[1, 2, 3, 1, 2], [4, 5, 4, 5, 4]], [[2], [4]])
-    d._preempted.add("a")          # it had also been preempted before its fault
+    d._preempted["a"] = None       # it had also been preempted before its fault
     d.finish_request("a")
     assert "a" not in d._preempted and "a" not in d.containment
     assert not any(_per_request_state(d, "a").values())
@@ -310,19 +313,64 @@ def test_a_finish_within_one_draft_of_max_tokens_counts_as_running_to_it(
     assert recorded == [ran_to_bound]
 
 
-def test_the_last_request_leaving_is_an_idle_moment(drafter, monkeypatch):
+def _so(scheduled_tokens):
+    return NS(scheduled_new_reqs=[], total_num_scheduled_tokens=scheduled_tokens)
+
+
+def test_malloc_trim_runs_only_in_a_step_that_schedules_nothing(drafter, monkeypatch):
+    """Issue 45 item 4: the last running request finishing inside a step
+    that schedules another one (back-to-back load) is not an idle moment:
+    no trim there; the step vLLM runs with nothing scheduled is, once its
+    finished requests are freed."""
     trims, written = [], []
-    monkeypatch.setattr(drafter.malloc_trim, "maybe", lambda idle: trims.append(idle))
+    monkeypatch.setattr(drafter.malloc_trim, "maybe", lambda: trims.append(True))
     monkeypatch.setattr(drafter_mod.stats_export, "maybe_write",
                         lambda d, freed=False: written.append(freed))
+    drafter.note_scheduler_output(_so(8))
     step(drafter, ["a", "b"], [[1, 2, 1, 2], [3, 4, 3, 4]], [[2], [4]])
-    assert trims == [False] and written == [False]
-    trims.clear(), written.clear()
-    step(drafter, ["b"], [[3, 4, 3, 4, 3]], [[3]])           # a leaves, b stays
-    assert True not in trims and written.count(True) == 1
-    trims.clear(), written.clear()
-    step(drafter, [], [], [])                                # the last one leaves
-    assert trims.count(True) == 1 and written.count(True) == 1
+    drafter.after_update_states()
+    assert trims == [] and written == [False]
+    written.clear()
+    drafter.note_scheduler_output(_so(5))        # a new request "c" scheduled ...
+    drafter.finish_request("a")                  # ... while a and b finish
+    drafter.finish_request("b")
+    drafter.after_update_states()
+    assert trims == [] and written.count(True) == 2
+    drafter.note_scheduler_output(_so(0))        # nothing scheduled: idle
+    drafter.after_update_states()
+    assert trims == [True]
+    drafter.after_update_states()                # once per idle step
+    assert trims == [True]
+
+
+def test_the_update_states_patch_trims_after_the_step_freed_its_requests(monkeypatch):
+    """The runner patch hands the scheduler output over before vLLM's
+    ``_update_states`` (which frees finished requests) and lets the drafter
+    trim after it."""
+    from vllm_specplug.vllm_adapter.v1 import tenancy
+    from vllm_specplug.vllm_adapter.v1.drafter_state import DrafterState
+
+    order = []
+
+    class Runner:
+        def _update_states(self, scheduler_output):
+            order.append("vllm")
+
+    class D(DrafterState):
+        def __init__(self):
+            pass
+
+        def note_scheduler_output(self, so):
+            order.append("note")
+
+        def after_update_states(self):
+            order.append("after")
+
+    runner = Runner()
+    runner.drafter = D()
+    patched = tenancy.make_update_states(Runner._update_states)
+    patched(runner, _so(0))
+    assert order == ["note", "vllm", "after"]
 
 
 @pytest.mark.parametrize("hook", ["complete", "finish"])
@@ -347,9 +395,9 @@ def test_a_hook_raising_at_the_finish_frees_the_request(patch_calls, monkeypatch
 def test_a_preempted_request_that_returns_is_no_longer_preempted(drafter):
     step(drafter, ["a", "b"], [[1, 2, 1, 2], [3, 4, 3, 4]], [[2], [4]])
     step(drafter, ["b"], [[3, 4, 3, 4, 3]], [[3]])
-    assert drafter._preempted == {"a"}
+    assert list(drafter._preempted) == ["a"]
     step(drafter, ["a", "b"], [[1, 2, 1, 2, 1], [3, 4, 3, 4, 3, 4]], [[1], [4]])
-    assert drafter._preempted == set() and "a" in drafter._seen
+    assert not drafter._preempted and "a" in drafter._seen
 
 
 def test_a_top_k_observe_raising_after_a_start_is_charged_to_observe(drafter, monkeypatch):

@@ -9,6 +9,7 @@ import random
 
 import numpy as np
 import pytest
+from types import SimpleNamespace
 
 import vllm_specplug.vllm_adapter.v1 as adapter
 from helpers import arrays, fake_vllm_config, make_vllm_config, step
@@ -490,6 +491,15 @@ class _Runner:
         self.requests = states
 
 
+def _attach(d, states):
+    """``d`` driven by a runner holding ``states``, its requests scheduled
+    (their salts recorded, none) as vLLM's ``_update_states`` patch does."""
+    d.runner = _Runner(states)
+    d.note_scheduler_output(SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, specplug_cache_salt=None) for r in states],
+        total_num_scheduled_tokens=len(states)))
+
+
 @pytest.mark.parametrize("generated, max_tokens, want", [
     (1, 20, 4),       # far from the end: the whole draft
     (1, 4, 2),        # 3 tokens left: 2 drafts and the step's own token
@@ -502,7 +512,7 @@ def test_chain_drafts_stop_at_max_tokens(patch_calls, generated, max_tokens, wan
     the proposer learns only from what is verified (``draft_cut``)."""
     hist = [1, 2, 3, 4, 1, 2, 3, 4] + [1, 2, 3, 4][:generated]
     d = SpecPlugDrafter(make_vllm_config())
-    d.runner = _Runner({"a": _State(8, max_tokens)})
+    _attach(d, {"a": _State(8, max_tokens)})
     cuts = []
     orig = d.proposer.draft_cut
     d.proposer.draft_cut = lambda req_id, kept: (cuts.append(len(kept)), orig(req_id, kept))
@@ -524,7 +534,7 @@ def test_tree_drafts_stop_at_max_tokens_by_depth(patch_calls, monkeypatch):
     monkeypatch.setattr(adapter, "install_tree_patches", lambda *a: None)
     _, plugin = translate({"method": "debug_random_tree", "num_speculative_tokens": 8})
     d = SpecPlugDrafter(fake_vllm_config({"specplug": plugin}, 8))
-    d.runner = _Runner({"a": _State(3, 5)})   # 2 generated below: room 5 - 2 - 1 = 2
+    _attach(d, {"a": _State(3, 5)})   # 2 generated below: room 5 - 2 - 1 = 2
     cuts = []
     d.proposer.draft_cut = lambda req_id, kept: cuts.append(kept)
     d.begin_step(["a"], None)
@@ -575,12 +585,13 @@ def test_finish_frees_a_request_whatever_path_it_left_by(drafter, monkeypatch):
     monkeypatch.setattr(drafter.proposer, "complete",
                         lambda req_id: (completed.append(req_id), complete(req_id))[1])
     drafter.note_scheduler_output(NS(scheduled_new_reqs=[
-        NS(req_id=r, specplug_cache_salt=f"salt-{r}") for r in ("a", "b", "c")]))
+        NS(req_id=r, specplug_cache_salt=f"salt-{r}") for r in ("a", "b", "c")],
+        total_num_scheduled_tokens=3))
     assert {"a", "b", "c"} <= set(drafter._salts)
     hists = [[1, 2, 1, 2], [3, 4, 3, 4], [5, 6, 5, 6]]
     step(drafter, ["a", "b", "c"], hists, [[2], [4], [6]])
     step(drafter, ["b", "c"], [hists[1] + [3], hists[2] + [5]], [[3], [5]])  # "a" preempted
-    assert drafter._preempted == {"a"} and "a" not in drafter._seen and completed == []
+    assert list(drafter._preempted) == ["a"] and "a" not in drafter._seen and completed == []
     drafter.finish_request("a")
     assert completed == ["a"] and not drafter._preempted and "a" not in drafter._salts
     drafter.finish_request("b")

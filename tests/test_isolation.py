@@ -269,7 +269,9 @@ class _Params:
 class _State:
     def __init__(self, extra_args=None, lora=None, prompt=3):
         self.sampling_params = _Params(extra_args)
-        self.lora_request = None if lora is None else SimpleNamespace(lora_name=lora)
+        self.lora_request = None if lora is None else (
+            lora if isinstance(lora, SimpleNamespace)
+            else SimpleNamespace(lora_name=lora, lora_int_id=1, lora_path=f"/a/{lora}"))
         self.num_prompt_tokens = prompt
 
 
@@ -280,9 +282,9 @@ def _new(req_id, salt):
 @pytest.mark.parametrize("mode, salt, lora, extra, want", [
     ("salt", None, None, None, ()),
     ("salt", "s1", None, None, ("s1", None)),
-    ("salt", None, "ad", None, (None, "ad")),
-    ("salt", "s1", "ad", {"specplug_share": True}, ("s1", "ad")),
-    ("salt", "s1", "ad", {"specplug_share": 1}, ("s1", "ad")),
+    ("salt", None, "ad", None, (None, ("ad", 1, "/a/ad"))),
+    ("salt", "s1", "ad", {"specplug_share": True}, ("s1", ("ad", 1, "/a/ad"))),
+    ("salt", "s1", "ad", {"specplug_share": 1}, ("s1", ("ad", 1, "/a/ad"))),
     ("salt", "s1", None, {"specplug_share": False}, None),
     ("salt", "s1", None, {"specplug_share": 0}, None),     # the OpenAI server's false
     ("salt", "s1", None, {"specplug_share": "no"}, None),  # malformed: the safe side
@@ -307,6 +309,35 @@ def test_a_request_without_a_recorded_salt_shares_nothing_and_says_why():
         tenancy.request_info(runner, "r", salts, "salt")
 
 
+def test_a_real_runner_without_any_recorded_scheduler_output_fails_closed():
+    """Issue 45 item 8: with a runner but no scheduler output recorded (the
+    ``_update_states`` patch did not run), a salted request must not join the
+    no-salt tenant: the lookup raises (the request drafts without
+    cross-request memory), it never returns the shared key ``()``."""
+    runner = SimpleNamespace(requests={"r": _State()})
+    with pytest.raises(RuntimeError, match="no scheduler output was recorded"):
+        tenancy.request_info(runner, "r", {}, "salt")
+    # modes that do not read the salt need no scheduler output
+    assert tenancy.request_info(runner, "r", {}, "none").tenant == ()
+    assert tenancy.request_info(runner, "r", {}, "request").tenant is None
+
+
+def test_a_lora_name_re_pointed_to_another_adapter_is_another_tenant():
+    """Issue 45 item 5: the LoRA part of the key holds the adapter's name, id
+    and path, so a name loaded again from another path (or under another id)
+    never drafts from the previous adapter's outputs."""
+    salts = {}
+    tenancy.note_new_requests(SimpleNamespace(scheduled_new_reqs=[
+        _new("a", None), _new("b", None), _new("c", None), _new("d", None)]), salts)
+    ad = lambda name, i, path: SimpleNamespace(lora_name=name, lora_int_id=i, lora_path=path)
+    runner = SimpleNamespace(requests={
+        "a": _State(lora=ad("x", 1, "/v1")), "b": _State(lora=ad("x", 1, "/v2")),
+        "c": _State(lora=ad("x", 2, "/v1")), "d": _State(lora=ad("x", 1, "/v1"))})
+    keys = {r: tenancy.request_info(runner, r, salts, "salt").tenant for r in "abcd"}
+    assert len({keys["a"], keys["b"], keys["c"]}) == 3
+    assert keys["a"] == keys["d"]            # the same adapter: one tenant
+
+
 def test_drafter_keeps_salted_requests_apart(patch_calls):
     """Through the drafter as the runner drives it: the scheduler's new
     requests carry their salt; B (another salt) gets no draft from A's
@@ -320,7 +351,8 @@ def test_drafter_keeps_salted_requests_apart(patch_calls):
     d.runner = SimpleNamespace(requests={r: _State(prompt=2) for r in "abc"})
 
     def step(req_ids, hists, new=()):
-        d.note_scheduler_output(SimpleNamespace(scheduled_new_reqs=list(new)))
+        d.note_scheduler_output(SimpleNamespace(scheduled_new_reqs=list(new),
+                                                total_num_scheduled_tokens=len(req_ids)))
         d.begin_step(list(req_ids), None)
         n, ids = arrays(hists)
         return d.propose([[h[-1]] for h in hists], n, ids)

@@ -52,37 +52,49 @@ def test_a_bad_interval_fails_before_the_engine_naming_the_variable(raw, monkeyp
         translate({"method": "sam"})
 
 
-def test_idle_trims_once_per_interval_busy_once_per_busy_factor():
+def test_trims_at_most_once_per_wall_clock_interval():
     t, clock, calls = _trimmer(60.0)
-    assert not t.maybe(idle=True)                 # not one interval since start
-    clock.t += 59.9
-    assert not t.maybe(idle=True)
-    clock.t += 0.2
-    assert t.maybe(idle=True) and calls == [0]
-    clock.t += 30
-    assert not t.maybe(idle=True)                 # the interval counts from the last trim
-    clock.t += 31
-    assert not t.maybe(idle=False)                # busy: BUSY_FACTOR intervals
-    clock.t += 60 * (M.BUSY_FACTOR - 1) - 1.1
-    assert not t.maybe(idle=False)
-    clock.t += 1
-    assert t.maybe(idle=False) and len(calls) == 2
+    clock.t = 1000 * 60 + 30.0          # half-way through an interval
+    t.last_bucket = t._bucket()         # as if started now
+    assert not t.maybe()                # the start's interval
+    clock.t += 29.9
+    assert not t.maybe()
+    clock.t += 0.2                      # the next interval: one trim
+    assert t.maybe() and calls == [0]
+    clock.t += 59
+    assert not t.maybe() and len(calls) == 1
+    clock.t += 1.0
+    assert t.maybe() and len(calls) == 2
     assert t.stats()["calls"] == 2 and t.stats()["on"]
+
+
+def test_ranks_started_apart_trim_in_the_same_intervals():
+    """Under tensor parallelism each rank has its own trimmer, started at
+    slightly different times; called in the same idle steps, they trim in
+    the same ones (wall-clock buckets, not each rank's own last trim)."""
+    (a, ca, ta), (b, cb, tb) = _trimmer(10.0), _trimmer(10.0)
+    ca.t, cb.t = 1003.0, 1009.9
+    a.last_bucket, b.last_bucket = a._bucket(), b._bucket()
+    trims = []
+    for now in (1010.5, 1013.0, 1019.95, 1021.0, 1055.0, 1056.0):
+        ca.t = cb.t = now
+        trims.append((a.maybe(), b.maybe()))
+    assert all(x == y for x, y in trims) and sum(x for x, _ in trims) == 3, trims
 
 
 def test_off_never_trims():
     t = M.Trimmer(0.0, lambda pad: 1, clock=Clock())
     t.clock.t += 1e9
-    assert not t.maybe(idle=True)
+    assert not t.maybe()
     assert t.stats()["on"] is False and t.stats()["why_off"] == f"{M.ENV}=0"
 
 
 def test_a_failing_trim_turns_itself_off_and_never_raises(caplog):
     t, clock, calls = _trimmer(1.0, fail=True)
     clock.t += 2
-    assert not t.maybe(idle=True)
+    assert not t.maybe()
     clock.t += 100
-    assert not t.maybe(idle=True) and len(calls) == 1   # not tried again
+    assert not t.maybe() and len(calls) == 1   # not tried again
     assert t.stats()["on"] is False and "failed" in t.stats()["why_off"]
     assert "malloc_trim failed" in caplog.text
 
@@ -107,8 +119,8 @@ def test_a_trim_gives_back_what_glibc_held_free():
         "keep = bytearray(4000)\n"     # above them on the heap: glibc keeps the freed pages
         "del x\n"
         "before = M.resident_bytes()\n"
-        "t.last -= t.interval_s\n"
-        "assert t.maybe(idle=True)\n"
+        "t.last_bucket -= 1\n"
+        "assert t.maybe()\n"
         "after = M.resident_bytes()\n"
         "print(before >> 20, after >> 20, t.stats()['freed_mb'])\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

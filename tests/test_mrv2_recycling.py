@@ -53,11 +53,14 @@ def batch(rows, prompt_len=None):
 
 
 class DictModel:
-    """The same table as dicts: shared, or one per slot over a warm column."""
+    """The same table as dicts: shared, or one per slot over a warm column.
+    Prompt bigrams go to the slot's own table; with the shared table, to a
+    table per slot for them alone, read where the shared one knows nothing."""
 
     def __init__(self, shared, warm=None):
         self.shared, self.warm = shared, warm
         self.tables = {}
+        self.prompts = {}   # slot -> its prompt bigrams (shared table only)
 
     def table(self, slot):
         return self.tables.setdefault(None if self.shared else slot, {})
@@ -66,6 +69,8 @@ class DictModel:
         v = self.table(slot).get(t)
         if v is None and self.warm is not None:
             v = int(self.warm[t]) if 0 <= self.warm[t] < VOCAB else None
+        if v is None and self.shared:
+            v = self.prompts.get(slot, {}).get(t)
         return v
 
     def learn(self, rows, rule, prompt_len, bigrams=True):
@@ -73,7 +78,9 @@ class DictModel:
             for slot, tokens, first, _ in rows:
                 for j in range(len(tokens) - 1):
                     if first + j + 1 < prompt_len[slot] and self.get(slot, tokens[j]) is None:
-                        self.table(slot)[tokens[j]] = tokens[j + 1]
+                        own = self.prompts.setdefault(slot, {}) if self.shared \
+                            else self.table(slot)
+                        own[tokens[j]] = tokens[j + 1]
         for slot, tokens, first, scored in rows:
             for j in scored:
                 self.table(slot)[tokens[j]] = rule(tokens[j], first + j)
@@ -129,6 +136,7 @@ def drive(shared, seed, warm=None, steps=30):
             dev.reset_slot(slot)
             if not shared:
                 ref.tables.pop(slot, None)
+            ref.prompts.pop(slot, None)
             position[slot] = 0
     return checked, drafted
 
@@ -165,6 +173,28 @@ def test_warm_matrix_is_read_under_private_tables_and_restored_on_reset():
         dev.reset()
         tokens, valid = dev.chain(torch.tensor([1]), torch.tensor([40]), 3)
         assert tokens[0][valid[0]].tolist() == [41, 42, 43]
+
+
+def test_a_prompt_never_reaches_the_shared_table():
+    """Issue 45 item 2: with the shared table (isolation "none") a prefilling
+    request's prompt bigrams serve its own chains only; another slot, and the
+    same slot once reassigned, never draft them. The target's lessons are
+    shared as before."""
+    dev = DeviceRecycling(vocab_size=VOCAB, max_num_reqs=SLOTS, device=torch.device("cpu"),
+                          shared=True, warm=None, prompt_bigrams=True)
+    dev.bind(OneHotModel(lambda t, p: 30))
+    prompt_len = torch.tensor([4, 0, 0, 0])
+    ib, hidden = batch([(0, [10, 11, 12, 13], 0, [3])], prompt_len)   # 13 -> 30 learned
+    dev.learn(ib, hidden, prompt_len)
+    tokens, valid = dev.chain(torch.tensor([0, 1]), torch.tensor([10, 10]), 4)
+    assert tokens[0][valid[0]].tolist() == [11, 12, 13, 30]    # its own prompt, then shared
+    assert tokens[1][valid[1]].tolist() == []                  # another slot: nothing
+    tokens, valid = dev.chain(torch.tensor([1]), torch.tensor([13]), 1)
+    assert tokens[0][valid[0]].tolist() == [30]                # the target's lesson: shared
+    assert not bool((dev.table[:VOCAB] == 11).any())           # no prompt bigram in it
+    dev.reset_slot(0)
+    tokens, valid = dev.chain(torch.tensor([0]), torch.tensor([10]), 2)
+    assert tokens[0][valid[0]].tolist() == []
 
 
 def test_a_hash_collision_misses_and_never_drafts_another_tokens_entry():

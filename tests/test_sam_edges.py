@@ -423,7 +423,12 @@ def test_a_restarted_request_is_the_newest_prompt_length(monkeypatch):
     assert prop.global_store.documents() == [[40, 41]]
 
 
-def test_failed_insertions_are_counted_and_the_error_names_its_cause():
+def test_failed_insertions_are_counted_and_the_log_names_their_cause(caplog):
+    """Issue 45 item 7: the insertion runs inside the next request's start,
+    which must not raise for it; the failure is counted and logged with the
+    request and the cause (the traceback once)."""
+    import logging
+
     prop = SamProposer(8)
     for r in ("b", "a"):
         prop.start(r, [1, 2, 3], RequestInfo(num_prompt_tokens=1))
@@ -436,10 +441,13 @@ def test_failed_insertions_are_counted_and_the_error_names_its_cause():
         raise cause
 
     prop.stores.add = add
-    with pytest.raises(RuntimeError, match=r"request a: ValueError: store full") as e:
+    with caplog.at_level(logging.ERROR, logger="vllm_specplug"):
         prop.start("x", [1])
-    assert e.value.__cause__ is cause
     assert prop.debug_stats()["global_store_failed_documents"] == 2
+    records = [r for r in caplog.records if r.name == "vllm_specplug"]
+    assert len(records) == 1 and records[0].exc_info[1] is cause   # the first, with its traceback
+    assert "request a" in records[0].getMessage()
+    assert "ValueError: store full" in records[0].getMessage()
 
 
 # ------------------------------------------------------------------- sizes
@@ -458,7 +466,8 @@ def test_sizes_bytes_and_stats_report_every_structure(tmp_path):
     sizes.pop("sam_stop_requests", None)                # sam_stop "learned" only
     assert sizes == {"sam_requests": 2, "sam_prompt_lens": 2, "sam_completed": 0,
                      "sam_pending": 1, "sam_choices": 1, "sam_corpus_matches": 2,
-                     "sam_global_matches": 2, "sam_tenants": 2, "sam_acceptance_cache": cache}
+                     "sam_global_matches": 2, "sam_tenants": 2, "sam_output_ends": 0,
+                     "sam_acceptance_cache": cache}
     # the automata, two int64 a corpus match, a [state, length, version] list
     # (48 bytes) a segment a request has a global match in
     segments = sum(len(m.per_segment) for m in prop._global_matches.values())

@@ -53,6 +53,7 @@ def test_structures_stay_within_their_bounds(model_path, tmp_path):
                                       if k.startswith("global_store")})
     # per request: freed once no request runs (finished, aborted or preempted)
     for key in ("drafter_requests", "drafter_trees", "drafter_remaining", "drafter_paces",
+                "drafter_salts", "drafter_preempted", "sam_output_ends",
                 "backoff_requests", "request_caps", "calibration_pending", "sam_requests",
                 "sam_pending", "sam_choices", "sam_corpus_matches", "sam_global_matches",
                 "sam_tenants", "sam_stop_requests", "tr_requests", "tr_private_matrices",
@@ -63,6 +64,7 @@ def test_structures_stay_within_their_bounds(model_path, tmp_path):
     assert sizes.pop("sam_prompt_lens") <= REQUESTS   # (MAX_TRACKED_PROMPTS in general)
     assert sizes.pop("sam_acceptance_cache") <= 3 * 2 * (MAX_BUCKET + 1)
     assert sizes.pop("tr_template_cache") <= K + 1
+    assert sizes.pop("tr_matrices") <= 8              # tr_tenants (live matrices)
     assert not sizes, f"a new structure without a bound asserted here: {sizes}"
     # the store: full and evicting, within its tokens and bytes
     sam = last["proposer"]["sam"]

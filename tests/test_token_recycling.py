@@ -82,14 +82,17 @@ def test_observe_feeds_the_matrix_and_the_rank_hit_rates():
     assert p.matrix[3].tolist() == [4, 5]
 
 
-def test_prompt_bigrams_fill_only_empty_rows():
+def test_prompt_bigrams_fill_only_empty_rows_of_the_requests_own_view():
     p = TokenRecyclingProposer(4, tr_topk=2, tr_prompt_bigrams=True)
     p.update(np.array([1]), np.array([[7, 8]]))
     p.start("r", [1, 2, 3, 1, 4, 2, 5])
-    assert p.matrix[1].tolist() == [7, 8]      # already known: kept
-    assert p.matrix[2, 0] == 5                 # most recent bigram wins
-    assert p.matrix[3, 0] == 1
-    assert p.matrix[2, 1] == -1
+    view = p._adj["r"][1]
+    assert view.row(1).tolist() == [7, 8]      # already known: kept
+    assert view.row(2).tolist() == [5, -1]     # most recent bigram wins
+    assert view.row(3).tolist() == [1, -1]
+    assert (view.row(9) == -1).all()           # not in the prompt
+    # the shared matrix never holds them (issue 45: prompts stay out of it)
+    assert p.matrix[1].tolist() == [7, 8] and (p.matrix[2:5] == -1).all()
 
 
 def test_state_is_per_request_and_freed():

@@ -15,8 +15,8 @@ method), the N-th call (from 1, counted per drafter) of ``HOOK`` raises
 * proposer calls: ``start``, ``observe``, ``propose``, ``draft_cut``,
   ``complete``, ``finish``;
 * inside a proposer: ``store_add`` (an insertion into ``sam``'s global store,
-  also inside ``sam_tr``), ``corpus_match`` (advancing a request's match in a
-  static ``sam_corpus`` automaton);
+  any tenant's, also inside ``sam_tr``), ``corpus_match`` (advancing a
+  request's match in a static ``sam_corpus`` automaton);
 * steps shared by the batch: ``step_cost`` (the step timing and cost fit),
   ``budget`` (the batch-aware budget), ``target_begin_step`` (a target
   hook's per-step features: ``eagle2``, ``del``).
@@ -114,15 +114,32 @@ class Injector:
         proposers it holds (``sam_tr``'s SAM part)."""
         for hook in PROPOSER_HOOKS:
             self.wrap(proposer, hook, hook)
+        from .proposers.tenants import TenantStores
+
         for part in _parts(proposer):
-            store = getattr(part, "global_store", None)
-            if store is not None:
-                self.wrap(store, "add", "store_add")
+            stores = getattr(part, "stores", None)
+            if isinstance(stores, TenantStores) and "store_add" in self.hooks:
+                self.arm_stores(stores)
             corpora = getattr(part, "corpora", None)
             if corpora and "corpus_match" in self.hooks:
                 # corpus automata are shared by every proposer of the process:
                 # each is wrapped in a proxy, never patched
                 part.corpora = [_CorpusProxy(c, self) for c in corpora]
+
+    def arm_stores(self, stores: Any) -> None:
+        """``store_add`` in every tenant's global store (``sam``'s
+        ``tenants.TenantStores``): those held now and those made later (the
+        partitions' factory wraps each new store), salted tenants' included."""
+        for _, store in stores.items():
+            self.wrap(store, "add", "store_add")
+        factory = stores.factory
+
+        def made():
+            store = factory()
+            self.wrap(store, "add", "store_add")
+            return store
+
+        stores.factory = made
 
     def arm_target_hook(self, hook: Any) -> None:
         self.wrap(hook, "begin_step", "target_begin_step")

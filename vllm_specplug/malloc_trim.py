@@ -9,16 +9,19 @@ requests of mixed traffic, `token_recycling`'s server tree grew 296 MB
 where plain decoding grew 186 MB; after ``malloc_trim(0)`` it was smaller
 than at request 100).
 
-The drafter calls ``Trimmer.maybe`` after each step and when a request's
-state is freed. It calls glibc's ``malloc_trim(0)`` in its own process (the
-one that runs the model: vLLM's worker, or the engine core without
-multiprocessing):
-
-* when no request is running, at most once per interval (default 60 s), so
-  an idle server gives memory back without costing a request anything;
-* under load without pause, at most once per ``BUSY_FACTOR`` intervals
-  (default 10 minutes): one call takes about 30-100 ms on a heap of 1 GB
-  (measured on this project's 2-core CPU), about one decode step.
+The drafter calls ``Trimmer.maybe`` only in a step that schedules nothing
+(vLLM runs one after the last running requests finish, to free them), after
+their state is freed, in its own process (the one that runs the model:
+vLLM's worker, or the engine core without multiprocessing). It calls glibc's
+``malloc_trim(0)`` there at most once per interval (default 60 s). A trim
+blocks its thread (13 ms at 256 MB of free heap, 59 ms at 1 GB, measured on
+this project's 2-core CPU), so it never runs inside a step that runs the
+model: under load without a pause it does not run at all, and glibc keeps
+what it holds (its high-water mark, docs/soak.md). Under tensor
+parallelism every rank sees the same scheduler output, so the ranks trim in
+the same idle steps; the interval is counted in wall-clock buckets
+(``floor(time / interval)``), which every rank of synchronised clocks
+computes alike (issue 45 item 4).
 
 ``VLLM_SPECPLUG_MALLOC_TRIM_S``: the interval in seconds (default 60); 0
 turns it off. It does nothing when the C library is not glibc or when
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import os
 import time
 from typing import Callable
@@ -40,8 +44,6 @@ logger = logging.getLogger("vllm_specplug")
 
 ENV = "VLLM_SPECPLUG_MALLOC_TRIM_S"
 DEFAULT_INTERVAL_S = 60.0
-#: under load without pause: one trim per this many intervals
-BUSY_FACTOR = 10
 #: allocators that replace glibc's malloc when preloaded
 OTHER_ALLOCATORS = ("tcmalloc", "jemalloc", "mimalloc")
 
@@ -97,28 +99,31 @@ class Trimmer:
     """When to call ``trim`` (glibc's ``malloc_trim``), and what it did."""
 
     def __init__(self, interval_s: float, trim: Callable[[int], int] | None,
-                 clock: Callable[[], float] = time.monotonic,
+                 clock: Callable[[], float] = time.time,
                  rss: Callable[[], int] = resident_bytes, why_off: str = "") -> None:
         self.interval_s = float(interval_s)
         self.trim = trim if self.interval_s > 0 else None
         self.why_off = why_off or ("" if self.trim is not None else f"{ENV}=0")
         self.clock = clock
         self.rss = rss
-        self.last = clock()           # the first trim comes one interval after start
+        # the first trim comes in the interval after the one of the start
+        self.last_bucket = self._bucket() if self.trim is not None else 0
         self.calls = 0
         self.seconds = 0.0
         self.freed_bytes = 0
 
-    def maybe(self, idle: bool) -> bool:
-        """Trim if it is time: ``idle`` (no request running) after an
-        interval, else after ``BUSY_FACTOR`` intervals. Never raises."""
+    def _bucket(self) -> int:
+        return math.floor(self.clock() / self.interval_s)
+
+    def maybe(self) -> bool:
+        """Trim unless this interval (a wall-clock bucket) already had one.
+        The caller calls it only in steps that schedule nothing. Never raises."""
         if self.trim is None:
             return False
-        now = self.clock()
-        wait = self.interval_s if idle else self.interval_s * BUSY_FACTOR
-        if now - self.last < wait:
+        bucket = self._bucket()
+        if bucket <= self.last_bucket:
             return False
-        self.last = now
+        self.last_bucket = bucket
         try:
             before = self.rss()
             started = time.perf_counter()

@@ -28,6 +28,53 @@ from ..options import Option
 
 
 @dataclass(frozen=True)
+class OutputEnd:
+    """Where vLLM ends a request's output, as far as a worker can tell: the
+    tokens past it were committed by a verify step (accepted draft tokens
+    after the stop) but never reached the user, so nothing past it may enter
+    cross-request memory. The output ends after the first of
+    ``stop_token_ids`` (the EOS token unless ignored, and the request's stop
+    tokens: vLLM's scheduler stops there and drops the rest of the step) and
+    at ``max_tokens``. ``unknown``: the request has stop strings (vLLM's
+    front end matches them in the detokenized text, cuts the output there
+    and aborts the request a step or more later; the worker never learns
+    where) or a rule the worker does not replay (repetition detection):
+    none of its output is known to have reached the user."""
+
+    stop_token_ids: frozenset = frozenset()
+    max_tokens: int | None = None
+    unknown: bool = False
+
+    @classmethod
+    def of(cls, sampling_params) -> "OutputEnd | None":
+        """The end of a request with vLLM's ``sampling_params`` (read by
+        attribute, no vLLM import); None without them (a pooling request)."""
+        if sampling_params is None:
+            return None
+        get = lambda name: getattr(sampling_params, name, None)  # noqa: E731
+        if get("stop") or get("repetition_detection") is not None:
+            return cls(unknown=True)
+        ids = set(get("stop_token_ids") or ())
+        if get("eos_token_id") is not None:   # None when ignore_eos
+            ids.add(int(get("eos_token_id")))
+        max_tokens = get("max_tokens")
+        return cls(frozenset(int(t) for t in ids),
+                   None if max_tokens is None else int(max_tokens))
+
+    def received(self, output: Sequence[int]) -> int:
+        """How many of ``output`` (the request's output tokens, in order)
+        reached the user."""
+        if self.unknown:
+            return 0
+        n = len(output) if self.max_tokens is None else min(len(output), self.max_tokens)
+        if self.stop_token_ids and n:
+            hits = np.flatnonzero(np.isin(np.asarray(output[:n]), list(self.stop_token_ids)))
+            if hits.size:
+                return int(hits[0]) + 1
+        return n
+
+
+@dataclass(frozen=True)
 class RequestInfo:
     """What the adapter knows of a request besides its tokens, given to
     ``Proposer.start`` (docs/security.md).
@@ -41,10 +88,12 @@ class RequestInfo:
     (``isolation``: "request", or the request's own opt-out). () is the
     partition of requests without a salt or adapter, and of proposers driven
     without the adapter. ``num_prompt_tokens``: how many of ``start``'s
-    tokens are the prompt (None: unknown)."""
+    tokens are the prompt (None: unknown). ``output_end``: where the output
+    the user receives ends (None: unknown, all of it)."""
 
     tenant: Hashable | None = ()
     num_prompt_tokens: int | None = None
+    output_end: OutputEnd | None = None
 
 
 #: The default ``start`` info: the shared partition, prompt length unknown.

@@ -313,6 +313,15 @@ class GlobalStore:
         self.segments[-1].add(doc)
         self.documents_added += 1
 
+    def drop_oldest_segment(self) -> int:
+        """Drop the oldest segment whole (as the ring does when full; for a
+        shared budget, ``tenants.TenantStores``); the tokens it held (0:
+        the store is empty)."""
+        if not self.segments:
+            return 0
+        self.segments_dropped += 1
+        return self.segments.pop(0).num_tokens
+
     # --------------------------------------------------------------- sizes
     @property
     def num_tokens(self) -> int:

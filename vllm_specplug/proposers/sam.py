@@ -30,13 +30,17 @@ Their draft is the corpus tokens after the match's first occurrence.
 The global store (``sam_global_tokens`` > 0; ``global_store``) holds the
 outputs (and, with ``sam_global_prompts``, the prompts) of this worker's
 recently finished requests, added when a request finishes (``complete``),
-never before, a step's finished requests in request-id order. Each request
-keeps its own matches in it. The store is kept apart by tenant
-(``RequestInfo.tenant``: by default the request's ``cache_salt`` and LoRA
-adapter; ``tenants.TenantStores``): a request reads and feeds only its
-tenant's store, and a request whose tenant is None (``isolation`` "request",
-or the request's own opt-out) none (docs/security.md). The acceptance
-estimates are shared by all requests: they hold rates, no text.
+never before, a step's finished requests in request-id order: only the
+output the user received (``RequestInfo.output_end``: nothing past a stop
+token or ``max_tokens``, nothing of a request with stop strings). A document
+whose insertion raises is dropped and counted, and costs no request its
+drafts (``_add_completed``). Each request keeps its own matches in it. The
+store is kept apart by tenant (``RequestInfo.tenant``: by default the
+request's ``cache_salt`` and LoRA adapter; ``tenants.TenantStores``, which
+also shares the budget fairly): a request reads and feeds only its tenant's
+store, and a request whose tenant is None (``isolation`` "request", or the
+request's own opt-out) none (docs/security.md). The acceptance estimates are
+shared by all requests: they hold rates, no text.
 
 Each step has up to three candidate drafts: the request's own automaton
 ("dynamic"), the global store ("global") and the static corpus ("static").
@@ -52,6 +56,7 @@ minus the bias exceeds the request's own match length. ``match_len`` (what
 """
 from __future__ import annotations
 
+import logging
 import math
 from typing import TYPE_CHECKING, ClassVar, Sequence
 
@@ -59,7 +64,7 @@ import numpy as np
 
 from ..budget import best_node_count
 from ..options import Option, SpecPlugConfigError
-from .base import SHARED, Draft, Proposer, RequestInfo, TargetTopK
+from .base import SHARED, Draft, OutputEnd, Proposer, RequestInfo, TargetTopK
 if TYPE_CHECKING:
     from .global_store import GlobalMatch
     from .tenants import TenantStores
@@ -86,6 +91,8 @@ SOURCES = ("dynamic", "global", "static")
 MIN_GLOBAL_TOKENS = 1024
 # Prompt lengths of requests not yet finished; the oldest are forgotten past this.
 MAX_TRACKED_PROMPTS = 1 << 16
+
+logger = logging.getLogger("vllm_specplug")
 
 
 class AcceptanceByMatchLength:
@@ -312,8 +319,9 @@ class SamProposer(Proposer):
                "also add finished requests' prompts to the global store"),
         Option("sam_global_tenants", int, 16,
                "tenants (cache_salt and LoRA adapter pairs) whose global stores are kept; "
-               "beyond this, or past sam_global_tokens in all, the least recently used "
-               "tenant's store is dropped", minimum=1, maximum=4096),
+               "beyond this the store holding the fewest tokens is dropped; past "
+               "sam_global_tokens in all, the largest store drops its oldest part",
+               minimum=1, maximum=4096),
         Option("sam_stop", str, "table",
                "how drafts are cut and sources chosen: 'table', the acceptance per match "
                "length learned online; 'learned', a logistic model per drafted position "
@@ -401,6 +409,9 @@ class SamProposer(Proposer):
         self.global_prompts = bool(sam_global_prompts)
         # req_id -> its tenant key (None: it shares nothing), while it has state
         self._tenant: dict[str, object] = {}
+        # req_id -> where the output its user receives ends (RequestInfo.output_end),
+        # for requests that feed a store, while it has state
+        self._output_end: dict[str, OutputEnd] = {}
         # req_id -> the request's matches in its tenant's global store
         self._global_matches: dict[str, GlobalMatch] = {}
         # req_id -> context length at its first start (the prompt and the first
@@ -426,6 +437,10 @@ class SamProposer(Proposer):
                       for what in ("drafts", "tokens", "accepted")}
         if self.stores is not None:
             self.stats["global_store_failed_documents"] = 0
+            # output tokens committed past what the user received (after a
+            # stop token, past max_tokens, all of a request with stop strings),
+            # kept out of the store
+            self.stats["global_store_unreceived_tokens"] = 0
 
     @property
     def global_store(self):
@@ -460,6 +475,9 @@ class SamProposer(Proposer):
                 self._prompt_len[req_id] = len(token_ids)
             self._tenant[req_id] = info.tenant
             self._global_matches.pop(req_id, None)
+            self._output_end.pop(req_id, None)
+            if info.tenant is not None and info.output_end is not None:
+                self._output_end[req_id] = info.output_end
             if info.tenant is not None:
                 from .global_store import GlobalMatch
 
@@ -492,45 +510,51 @@ class SamProposer(Proposer):
 
     def complete(self, req_id: str) -> None:
         """The request finished: its output (with ``sam_global_prompts``, all
-        its tokens) goes to the global store before the next draft."""
+        its tokens) goes to the global store before the next draft, up to
+        where the output its user received ends (``RequestInfo.output_end``)."""
         prompt_len = self._prompt_len.pop(req_id, None)
         sa = self._automata.get(req_id)
         tenant = self._tenant.get(req_id)
         if self.stores is None or sa is None or tenant is None:
             return
-        if self.global_prompts:
-            start = 0
-        elif prompt_len is None:
+        end = self._output_end.get(req_id)
+        if prompt_len is None and (end is not None or not self.global_prompts):
             # where the output begins is unknown (its prompt length was
-            # forgotten past MAX_TRACKED_PROMPTS): the prompt must not enter
+            # forgotten past MAX_TRACKED_PROMPTS): neither the prompt nor
+            # tokens past the output's end may enter
             return
-        else:
-            start = max(prompt_len - 1, 0)
-        tokens = sa.tokens[start:].tolist()
+        stop = len(sa.tokens)
+        if end is not None:
+            out = max(prompt_len - 1, 0)
+            stop = out + end.received(sa.tokens[out:])
+            self.stats["global_store_unreceived_tokens"] += len(sa.tokens) - stop
+        start = 0 if self.global_prompts else max(prompt_len - 1, 0)
+        tokens = sa.tokens[start:stop].tolist()
         if tokens:
             self._completed.append((req_id, tenant, tokens))
 
     def _add_completed(self) -> None:
-        """Insert the documents of requests finished since the last step. The
-        list is taken first, so a document whose insertion raises is dropped
-        (counted in ``global_store_failed_documents``) and never retried; the
-        others are still inserted, then the first error is raised for the
-        adapter to contain (the calling request decodes without drafts)."""
+        """Insert the documents of requests finished since the last step, in
+        request-id order. This runs inside whichever request starts or drafts
+        next, whatever its tenant, so it never raises: a document whose
+        insertion raises costs only itself. It is dropped (counted in
+        ``global_store_failed_documents``; logged with its traceback the first
+        time, then at every power of ten of the count), never retried; the
+        others still go in and the calling request drafts on."""
         if not self._completed:
             return
         completed, self._completed = self._completed, []
-        error = None
         for req_id, tenant, tokens in sorted(completed, key=lambda c: c[0]):
             try:
                 self.stores.add(tenant, tokens)
-            except Exception as e:  # noqa: BLE001 - re-raised below, once
-                self.stats["global_store_failed_documents"] += 1
-                if error is None:
-                    error = RuntimeError(f"sam: the global store could not take the output "
-                                         f"of request {req_id}: {type(e).__name__}: {e}")
-                    error.__cause__ = e
-        if error is not None:
-            raise error
+            except Exception as e:  # noqa: BLE001 - contained here: only this output is lost
+                n = self.stats["global_store_failed_documents"] + 1
+                self.stats["global_store_failed_documents"] = n
+                if n == 1 or math.log10(n).is_integer():
+                    logger.error("vllm_specplug: sam's global store could not take the output "
+                                 "of request %s (%d so far): %s: %s; that output is dropped, "
+                                 "no request loses its drafts", req_id, n, type(e).__name__, e,
+                                 exc_info=e if n == 1 else None)
 
     def _static_match(self, req_id: str) -> tuple[int, int, int]:
         """(corpus index, state, length) of the longest static match (-1: none)."""
@@ -730,6 +754,7 @@ class SamProposer(Proposer):
         self._pending.pop(req_id, None)
         self._global_matches.pop(req_id, None)
         self._tenant.pop(req_id, None)
+        self._output_end.pop(req_id, None)
         self._choice.pop(req_id, None)
         if self._stop is not None:
             self._stop.finish(req_id)
@@ -743,7 +768,7 @@ class SamProposer(Proposer):
                 "sam_completed": len(self._completed), "sam_pending": len(self._pending),
                 "sam_choices": len(self._choice), "sam_corpus_matches": len(self._corpus_matches),
                 "sam_global_matches": len(self._global_matches),
-                "sam_tenants": len(self._tenant),
+                "sam_tenants": len(self._tenant), "sam_output_ends": len(self._output_end),
                 "sam_acceptance_cache": sum(len(t._rows) + len(t._best) for t in tables),
                 "sam_stop_requests": 0 if self._stop is None else len(self._stop)}
 
@@ -762,4 +787,8 @@ class SamProposer(Proposer):
             out["global_store_tokens"] = self.stores.num_tokens
             out["global_store_bytes"] = self.stores.resident_nbytes()
             out["global_store_tenants"] = len(self.stores)
+            # sharing the budget (tenants.TenantStores): stores dropped whole,
+            # oldest segments dropped from the largest stores
+            out["global_store_tenants_dropped"] = self.stores.dropped
+            out["global_store_segments_trimmed"] = self.stores.segments_trimmed
         return out

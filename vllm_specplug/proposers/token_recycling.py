@@ -25,7 +25,8 @@ Templates:
   level above under a fixed prior over ranks; cut to the node budget.
 * a path to a JSON file: a list of rank paths, e.g. ``[[0], [1], [0, 0]]``.
 
-Per request only the last committed token is kept.
+Per request only the last committed token is kept (and its prompt's
+bigrams: "Prompts" below).
 
 Tenants (docs/security.md): the matrix holds text other requests produced,
 so there is one matrix per tenant (``RequestInfo.tenant``: by default the
@@ -35,6 +36,28 @@ request's ``cache_salt`` and LoRA adapter), at most ``tr_tenants`` of them
 (a row per token it met, over the warm-start matrix when there is one),
 freed when it finishes. The rank hit rates behind the templates are shared:
 they are counts per rank, no text.
+
+The bound holds under concurrency (issue 45): a running request writes to
+its tenant's matrix at every step, so a tenant with running requests is
+pinned (``Partitions.acquire``) and never dropped; only idle tenants are. The
+full matrices alive, kept or held by a running request, are therefore at most
+``tr_tenants`` (``sizes.tr_matrices``), and a tenant's matrix is never swapped
+for an empty one under its running requests. When all ``tr_tenants`` slots
+are pinned, a request of yet another tenant drafts from a matrix of its own,
+as an opted-out request does, for its whole life (``stats.tenant_overflows``).
+Why this and not empty drafts: that request still gets Token Recycling's
+speed-up from its own text, it reads and feeds nobody's memory (so it is no
+less isolated), and its matrix is sparse (a row per token it met) and freed
+at ``finish``, the same per-request state an opted-out request already has,
+counted in ``state_nbytes`` and ``sizes.tr_private_matrices``. Every way a
+request leaves (finished, aborted, preempted: ``finish``, or a new ``start``
+of the same id) unpins.
+
+Prompts (``tr_prompt_bigrams``): a request's own prompt bigrams (token ->
+the token after its last occurrence in the prompt, two sorted arrays, 8 bytes
+a distinct prompt token) are kept with the request and read only by its own
+drafts, where its matrix's row is still empty; they are never written into a
+matrix, so a prompt never reaches another request (nor ``tr_save_matrix``).
 """
 from __future__ import annotations
 
@@ -121,13 +144,6 @@ class Adjacency:
         self._ensure_rows(int(max(input_ids.max(), topk_ids.max())))
         self.matrix[input_ids, : topk_ids.shape[1]] = topk_ids
 
-    def fill_bigrams(self, prev: np.ndarray, nxt: np.ndarray) -> None:
-        """Still-empty rows ``prev`` take ``nxt`` as their first candidate
-        (the most recent occurrence wins)."""
-        self._ensure_rows(int(max(prev.max(), nxt.max())))
-        empty = self.matrix[prev, 0] < 0
-        self.matrix[prev[empty], 0] = nxt[empty]
-
     def nbytes(self) -> int:
         return int(self.matrix.nbytes)
 
@@ -157,18 +173,58 @@ class PrivateAdjacency(Adjacency):
         for t, values in zip(input_ids.tolist(), topk_ids.tolist()):
             self._set(t, values)
 
-    def fill_bigrams(self, prev: np.ndarray, nxt: np.ndarray) -> None:
-        empty = [(int(p), int(n)) for p, n in zip(prev.tolist(), nxt.tolist())
-                 if (r := self.row(p)) is None or r[0] < 0]
-        for p, n in empty:
-            r = self.rows.get(p)
-            if r is None:
-                self._set(p, [n])
-            else:
-                r[0] = n
-
     def nbytes(self) -> int:
         return (4 * self.k + 100) * len(self.rows)
+
+
+class PromptBigrams:
+    """One request's prompt bigrams: token -> the token after its last
+    occurrence in the prompt, as two sorted int32 arrays (8 bytes a distinct
+    prompt token). Read by that request only; never written into a matrix."""
+
+    def __init__(self, ids: np.ndarray) -> None:
+        prev, nxt = ids[:-1][::-1], ids[1:][::-1]
+        # np.unique's first index in the reversed prompt: the last occurrence
+        keys, first = np.unique(prev, return_index=True)
+        self.keys = keys.astype(np.int32)
+        self.nexts = nxt[first].astype(np.int32)
+
+    def next(self, t: int) -> int:
+        """The token after ``t``'s last occurrence in the prompt (-1: none)."""
+        i = int(np.searchsorted(self.keys, t))
+        return int(self.nexts[i]) if i < self.keys.size and self.keys[i] == t else -1
+
+    def nbytes(self) -> int:
+        return int(self.keys.nbytes + self.nexts.nbytes)
+
+
+class RequestView:
+    """What one request drafts from and learns into: ``adj`` (its tenant's
+    matrix or its own), where a row is still empty its own prompt's bigram
+    as the first candidate. Updates go to ``adj`` only."""
+
+    def __init__(self, adj: Adjacency, prompt: PromptBigrams | None) -> None:
+        self.adj = adj
+        self.prompt = prompt
+
+    def row(self, t: int) -> np.ndarray | None:
+        r = self.adj.row(t)
+        if self.prompt is None or (r is not None and r[0] >= 0):
+            return r
+        n = self.prompt.next(t)
+        if n < 0:
+            return r
+        out = np.full(self.adj.k, -1, dtype=np.int32)
+        out[0] = n
+        return out
+
+    def update(self, input_ids: np.ndarray, topk_ids: np.ndarray) -> None:
+        self.adj.update(input_ids, topk_ids)
+
+    def own_nbytes(self) -> int:
+        """Bytes held for this request alone (its own matrix, its prompt's bigrams)."""
+        own = self.adj.nbytes() if isinstance(self.adj, PrivateAdjacency) else 0
+        return own + (self.prompt.nbytes() if self.prompt is not None else 0)
 
 
 def rank_rates(prior: np.ndarray, hits: np.ndarray, total: float, k: int) -> np.ndarray:
@@ -322,7 +378,9 @@ class TokenRecyclingProposer(Proposer):
         Option("tr_matrix", str, "", "warm-start adjacency matrix (.npy from "
                "specplug build-tr); empty: start empty", check=_check_matrix),
         Option("tr_prompt_bigrams", bool, True,
-               "fill still-empty rows from the prompt's own bigrams at request start"),
+               "the request's own drafts also follow its prompt's bigrams where the "
+               "matrix knows nothing yet (kept with the request, never written into "
+               "the shared matrix: no other request sees them)"),
         Option("tr_save_matrix", str, "",
                "save the matrix (.npy; with tenants, that of requests without a cache_salt "
                "or LoRA adapter) to this path every 512 updates and whenever no "
@@ -330,8 +388,10 @@ class TokenRecyclingProposer(Proposer):
                check=_check_save_path),
         Option("tr_tenants", int, 8,
                "tenants (cache_salt and LoRA adapter pairs) whose matrices are kept (the "
-               "least recently used dropped beyond this); each costs up to vocabulary "
-               "size x tr_topk x 4 bytes", minimum=1, maximum=1024),
+               "least recently used idle one dropped beyond this; a tenant with running "
+               "requests is kept, and a new tenant's request then drafts from its own "
+               "text); each costs up to vocabulary size x tr_topk x 4 bytes",
+               minimum=1, maximum=1024),
     )
 
     @classmethod
@@ -376,13 +436,16 @@ class TokenRecyclingProposer(Proposer):
         self.target_topk_k = self.k
         self.template_kind = tr_template
         self.prompt_bigrams = bool(tr_prompt_bigrams)
-        # the operator's warm-start matrix (None: start empty)
+        # the operator's warm-start matrix (None: start empty); read only
         self.warm = load_matrix(tr_matrix, self.k) if tr_matrix else None
-        # tenant key -> its matrix
+        if self.warm is not None:
+            self.warm.flags.writeable = False
+        # tenant key -> its matrix; a tenant with running requests is pinned
         self.parts: Partitions[Adjacency] = Partitions(
             lambda: Adjacency(self.k, self.warm), int(tr_tenants))
-        # req_id -> (tenant key, the matrix it drafts from)
-        self._adj: dict[str, tuple[object, Adjacency]] = {}
+        # req_id -> (the tenant key it pinned, None: a matrix of its own; what
+        # it drafts from)
+        self._adj: dict[str, tuple[object, RequestView]] = {}
         self.fixed_template = (load_template(tr_template, self.k)
                                if tr_template not in ("auto", "paper") else None)
         self.rank_hits = np.zeros(self.k + 1)   # last slot: not among the candidates
@@ -390,27 +453,38 @@ class TokenRecyclingProposer(Proposer):
         self._updates = 0
         self._template_cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._last: dict[str, int] = {}
-        self.stats = {"drafts": 0, "nodes": 0, "matrix_updates": 0, "topk_misaligned": 0}
+        self.stats = {"drafts": 0, "nodes": 0, "matrix_updates": 0, "topk_misaligned": 0,
+                      "tenant_overflows": 0}
 
     # ------------------------------------------------------------ matrix
     @property
     def matrix(self) -> np.ndarray:
         """The default tenant's matrix (requests without a ``cache_salt`` or
-        LoRA adapter; every request with ``isolation`` "none")."""
-        return self.parts.get(()).matrix
+        LoRA adapter; every request with ``isolation`` "none"), read without
+        making it or touching the tenants' order (issue 45: reading it for
+        ``tr_save_matrix`` must never evict a tenant); while it does not exist,
+        what it would start as (the warm-start matrix, read only, or empty)."""
+        default = self.parts.peek(())
+        if default is not None:
+            return default.matrix
+        return self.warm if self.warm is not None else np.full((0, self.k), -1, np.int32)
 
     def update(self, input_ids: np.ndarray, topk_ids: np.ndarray,
-               adj: Adjacency | None = None) -> None:
+               adj: Adjacency | RequestView | None = None) -> None:
         """Rows ``input_ids`` of ``adj`` (default: the default tenant's
-        matrix) become the target's top-k (later rows win ties)."""
+        matrix, made if missing unless every tenant slot is pinned) become
+        the target's top-k (later rows win ties)."""
         input_ids = np.asarray(input_ids, dtype=np.int64)
         if input_ids.size == 0:
             return
         topk_ids = np.asarray(topk_ids)[:, : self.k]
-        (adj or self.parts.get(())).update(input_ids, topk_ids)
+        adj = adj or self.parts.acquire((), pin=False)
+        if adj is None:
+            return
+        adj.update(input_ids, topk_ids)
         self.stats["matrix_updates"] += int(input_ids.size)
 
-    def _record_transitions(self, adj: Adjacency, prev: int,
+    def _record_transitions(self, adj: RequestView, prev: int,
                             committed: Sequence[int]) -> None:
         """Which rank of the previous token's row each committed token had."""
         for t in committed:
@@ -454,17 +528,31 @@ class TokenRecyclingProposer(Proposer):
     # ------------------------------------------------------------ proposer API
     def start(self, req_id: str, token_ids: Sequence[int],
               info: RequestInfo = SHARED) -> None:
+        # a rebuild: the old state (and its tenant's pin) goes first
+        self._release(req_id)
+        self._last.pop(req_id, None)
         ids = np.asarray(token_ids, dtype=np.int64)
         if ids.size == 0:
             return
-        if info.tenant is None:
+        tenant, adj = info.tenant, None
+        if tenant is not None:
+            # pinned while the request runs (None: every slot is pinned)
+            adj = self.parts.acquire(tenant)
+            if adj is None:
+                self.stats["tenant_overflows"] += 1
+                tenant = None
+        if adj is None:
             adj = PrivateAdjacency(self.k, self.warm)
-        else:
-            adj = self.parts.get(info.tenant)
-        self._adj[req_id] = (info.tenant, adj)
+        # the prompt's bigrams stay with the request (module doc)
+        prompt = PromptBigrams(ids) if self.prompt_bigrams and ids.size > 1 else None
+        self._adj[req_id] = (tenant, RequestView(adj, prompt))
         self._last[req_id] = int(ids[-1])
-        if self.prompt_bigrams and ids.size > 1:
-            adj.fill_bigrams(ids[:-1], ids[1:])
+
+    def _release(self, req_id: str) -> None:
+        """Drop a request's matrix reference and unpin its tenant."""
+        held = self._adj.pop(req_id, None)
+        if held is not None and held[0] is not None:
+            self.parts.unpin(held[0])
 
     def observe(self, req_id: str, committed_ids: Sequence[int],
                 target_topk: TargetTopK | None = None) -> None:
@@ -498,7 +586,7 @@ class TokenRecyclingProposer(Proposer):
         root = self._last.get(req_id)
         budget = min(budget, self.budget)
         adj = self._adj[req_id][1] if req_id in self._adj else None
-        if root is None or budget <= 0 or adj.row(root) is None:
+        if root is None or adj is None or budget <= 0 or adj.row(root) is None:
             return Draft.empty()
         ranks, parents, values = self.template(budget)
         if self.auto_budget:
@@ -539,26 +627,34 @@ class TokenRecyclingProposer(Proposer):
         return Draft(tokens.astype(np.int32), parents_out, values)
 
     def finish(self, req_id: str) -> None:
-        self._adj.pop(req_id, None)
+        self._release(req_id)
         if self._last.pop(req_id, None) is not None and not self._last and self.save_path:
             self.save_matrix(self.save_path)
 
     def active_requests(self) -> int:
         return len(self._last)
 
+    def live_matrices(self) -> int:
+        """Tenants' matrices alive: kept, or held by a running request (at
+        most ``tr_tenants``: a running request's tenant is pinned)."""
+        live = {id(a) for a in self.parts.values()}
+        live.update(id(view.adj) for t, view in self._adj.values() if t is not None)
+        return len(live)
+
     def structure_sizes(self) -> dict[str, int]:
         return {"tr_requests": len(self._last), "tr_template_cache": len(self._template_cache),
-                "tr_private_matrices": sum(1 for t, _ in self._adj.values() if t is None)}
+                "tr_private_matrices": sum(1 for t, _ in self._adj.values() if t is None),
+                "tr_matrices": self.live_matrices()}
 
     def state_nbytes(self) -> int:
-        """Per-request state (requests' own matrices included; the tenants'
-        matrices: ``matrix_nbytes``)."""
-        return 16 * len(self._last) + sum(adj.nbytes() for t, adj in self._adj.values()
-                                          if t is None)
+        """Per-request state (requests' own matrices and prompt bigrams
+        included; the tenants' matrices: ``matrix_nbytes``)."""
+        return 16 * len(self._last) + sum(view.own_nbytes() for _, view in self._adj.values())
 
     def matrix_nbytes(self) -> int:
-        """Bytes of the default tenant's matrix."""
-        return int(self.matrix.nbytes)
+        """Bytes of the default tenant's matrix (0: it does not exist)."""
+        default = self.parts.peek(())
+        return default.nbytes() if default is not None else 0
 
     def debug_stats(self) -> dict:
         default = self.parts.peek(())   # read without making or touching it
@@ -566,14 +662,22 @@ class TokenRecyclingProposer(Proposer):
         return {**self.stats, "matrix_rows": int(matrix.shape[0]),
                 "matrix_bytes": int(matrix.nbytes),
                 "tenants": len(self.parts),
+                "tenants_running": self.parts.num_pinned,
                 "tenant_matrices_bytes": sum(a.nbytes() for a in self.parts.values()),
                 # equal on every tensor-parallel rank (they see the same top-k)
                 "matrix_crc32": zlib.crc32(np.ascontiguousarray(matrix).data),
                 "rank_rates": [round(float(x), 4) for x in self.rates()]}
 
-    def save_matrix(self, path: str) -> None:
-        """Write the matrix as .npy, atomically (readers never see half a file)."""
+    def save_matrix(self, path: str) -> bool:
+        """Write the default tenant's matrix as .npy, atomically (readers
+        never see half a file). It is read without making or touching it, so
+        saving never evicts a tenant; while it does not exist (never made, or
+        dropped) nothing is written and an earlier file stays (False)."""
+        default = self.parts.peek(())
+        if default is None:
+            return False
         tmp = f"{path}.tmp{os.getpid()}"
         with open(tmp, "wb") as f:
-            np.save(f, self.matrix, allow_pickle=False)
+            np.save(f, default.matrix, allow_pickle=False)
         os.replace(tmp, path)
+        return True

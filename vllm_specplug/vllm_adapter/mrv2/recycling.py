@@ -13,8 +13,10 @@ Everything runs on the device, with no host round trip:
   ``logits_indices``: each row's verified positions), through the target's
   own ``compute_logits`` (one extra lm_head pass over those rows; the runner's
   own logits are not handed to speculators), then ``M[input] = argmax``.
-  Prefilling rows also write their prompt's bigrams into still-empty entries
-  (``tr_prompt_bigrams``), as the V1 proposer does at ``start``.
+  Prefilling rows also write their prompt's bigrams where the table knows
+  nothing yet (``tr_prompt_bigrams``), into the request's own entries only
+  (as the V1 proposer keeps them with the request): a prompt never reaches
+  the shared table.
 * ``chain``: K gathers from each row's newest committed token.
 
 Memory across requests (docs/security.md): with isolation "none" every
@@ -23,7 +25,9 @@ cannot tell tenants apart) each request-state slot has its own hashed table
 of ``BUCKETS`` entries (token -> next), cleared when the slot is reassigned,
 over the read-only warm-start matrix (``tr_matrix``) if one is given. A hash
 collision overwrites an entry: it costs drafts, never correctness (vLLM
-verifies every draft).
+verifies every draft). With the shared table and ``tr_prompt_bigrams``, each
+slot also has such a hashed table for its prompt's bigrams alone, read where
+the shared table knows nothing (issue 45: prompts stay out of shared memory).
 """
 from __future__ import annotations
 
@@ -54,15 +58,16 @@ class DeviceRecycling:
             warm_col = torch.full((self.vocab_size,), -1, dtype=torch.int64, device=device)
             warm_col[: col.size] = torch.from_numpy(col).to(device)
         self.warm = warm_col
+        self.table = self.keys = self.vals = None
         if self.shared:
             # one spare entry last: where masked-out writes go
             self.table = torch.full((self.vocab_size + 1,), -1, dtype=torch.int64,
                                     device=device)
             if warm_col is not None:
                 self.table[: self.vocab_size] = warm_col
-            self.keys = self.vals = None
-        else:
-            self.table = None
+        if not self.shared or self.prompt_bigrams:
+            # each slot's own entries: all it learns (private), or only its
+            # prompt's bigrams (shared: they never enter the shared table)
             self.keys = torch.full((max_num_reqs, self.buckets + 1), -1, dtype=torch.int64,
                                    device=device)
             self.vals = torch.full_like(self.keys, -1)
@@ -80,7 +85,7 @@ class DeviceRecycling:
         self.compute_logits = model.compute_logits
 
     def reset_slot(self, slot: int) -> None:
-        if not self.shared:
+        if self.keys is not None:
             self.keys[slot] = -1
 
     def reset(self) -> None:
@@ -88,7 +93,7 @@ class DeviceRecycling:
             self.table.fill_(-1)
             if self.warm is not None:
                 self.table[: self.vocab_size] = self.warm
-        else:
+        if self.keys is not None:
             self.keys.fill_(-1)
         self.counters.zero_()
 
@@ -107,7 +112,13 @@ class DeviceRecycling:
         ok = (tok >= 0) & (tok < self.vocab_size)
         safe = tok.clamp(0, self.vocab_size - 1)
         if self.shared:
-            return torch.where(ok, self.table[safe], -1)
+            shared = torch.where(ok, self.table[safe], -1)
+            if self.keys is None:
+                return shared
+            # where the shared table knows nothing: the slot's prompt bigram
+            h = safe % self.buckets
+            own = torch.where(ok & (self.keys[slots, h] == tok), self.vals[slots, h], -1)
+            return torch.where(shared >= 0, shared, own)
         h = safe % self.buckets
         hit = ok & (self.keys[slots, h] == tok)
         out = self.vals[slots, h]
@@ -115,16 +126,17 @@ class DeviceRecycling:
         return torch.where(hit, out, torch.where(ok, fallback, -1))
 
     def _write(self, slots: torch.Tensor, tok: torch.Tensor, nxt: torch.Tensor,
-               mask: torch.Tensor, only_empty: bool) -> None:
+               mask: torch.Tensor, only_empty: bool, own: bool = False) -> None:
         """Entries ``tok -> nxt`` where ``mask`` (``only_empty``: where
-        ``tok`` has no entry yet). Among duplicates one write wins."""
+        ``tok`` has no entry yet; ``own``: into the slots' own entries even
+        when the table is shared). Among duplicates one write wins."""
         mask = mask & (tok >= 0) & (tok < self.vocab_size) & (nxt >= 0) \
             & (nxt < self.vocab_size)
         if only_empty:
             mask = mask & (self._lookup(slots, tok) < 0)
         # masked-out writes go to a spare last entry, never read (a boolean
         # index would wait for the device to learn how many entries are kept)
-        if self.shared:
+        if self.shared and not own:
             self.table[torch.where(mask, tok, self.vocab_size)] = nxt
             return
         h = torch.where(mask, tok % self.buckets, self.buckets)
@@ -148,7 +160,7 @@ class DeviceRecycling:
             pair = (slots[:-1] == slots[1:]) & (pos[1:] == pos[:-1] + 1) \
                 & (pos[1:] < prompt_len[slots[1:]].long())
             self._write(slots[:-1], ids[:n - 1].long(), ids[1:n].long(), pair,
-                        only_empty=True)
+                        only_empty=True, own=True)
         where = input_batch.logits_indices
         logits = self.compute_logits(hidden_states[where])
         if logits is None:       # a tensor-parallel rank that does not draft

@@ -125,7 +125,8 @@ UPDATE_STATES_PATCH = Patch(
     module="vllm.v1.worker.gpu_model_runner", cls="GPUModelRunner", attr="_update_states",
     make=_lazy(".tenancy", "make_update_states"),
     why="give the drafter each new request's cache_salt, every step (vLLM skips the "
-        "drafter in some steps)",
+        "drafter in some steps), and trim glibc's heap only in steps that schedule "
+        "nothing, after their finished requests are freed",
     args=("scheduler_output",))
 
 SCHEDULE_PATCH = Patch(

@@ -22,6 +22,7 @@ import logging
 import os
 import platform
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -33,7 +34,7 @@ from ...budget import (SAVE_EVERY, AcceptanceCalibration, LengthEndings, RowPace
 from ... import faults, malloc_trim
 from ...config import ADDITIONAL_CONFIG_KEY, ISOLATION_KEY, build_proposer
 from ...goodput import GoodputController, RequestBackoff
-from ...proposers.base import Draft, start_request
+from ...proposers.base import Draft, OutputEnd, start_request
 from ...tree import depths
 from ...warmup import enabled as warmup_enabled
 from ...warmup import warm_up
@@ -57,6 +58,9 @@ EXPLORE_CARRY = 16
 # let every row of a 16-row batch at 96 tokens draft to the end: nothing
 # was paced off, pipeline, 2026-12-05.)
 PACE_MARGIN_TOKENS = 2.0
+#: at most this many requests remembered as preempted (``_preempted``); one
+#: dropped beyond it only skips ``Proposer.complete`` at its finish
+MAX_PREEMPTED = 1 << 16
 
 
 def step_cost_cache_path(vllm_config: Any, tree: bool = False) -> Path | None:
@@ -146,7 +150,10 @@ class SpecPlugDrafter(DrafterState):
         # state, and the requests freed when they left the batch (preempted)
         self.isolation = plugin.get(ISOLATION_KEY, "salt")
         self._salts: dict[str, Any] = {}
-        self._preempted: set[str] = set()
+        # requests that left the batch unfinished (preempted), oldest first;
+        # vLLM finishes or resumes each, so this holds at most the running
+        # requests: MAX_PREEMPTED bounds it in case a finish never comes
+        self._preempted: dict[str, None] = {}
         self._row_req_ids: Sequence[str] | None = None
         # The model runner (set by the runner patch each step), for proposers
         # that read the runner's block table and KV cache (del).
@@ -174,6 +181,7 @@ class SpecPlugDrafter(DrafterState):
         # tokens still allowed at its last step (for that count): pacing
         # (budget.pace_batch) when nothing waits and requests run to their bound
         self._waiting: int | None = None
+        self._idle_step = False       # this step schedules nothing (note_scheduler_output)
         self.length_endings = LengthEndings()
         self._remaining: dict[str, int] = {}
         self.paces = RowPaces()
@@ -344,7 +352,9 @@ class SpecPlugDrafter(DrafterState):
                 self._request_fault(req_id, e)
                 proposed.append(Draft.empty())
         for req_id in [r for r in self._seen if r not in live]:
-            self._preempted.add(req_id)
+            self._preempted[req_id] = None
+            if len(self._preempted) > MAX_PREEMPTED:
+                del self._preempted[next(iter(self._preempted))]
             self._forget(req_id)
         self._step_req_ids = req_ids
         self._paced_off = None
@@ -371,7 +381,6 @@ class SpecPlugDrafter(DrafterState):
         self.propose_time["rows"] += len(sampled_token_ids)
         self.propose_time["draft_tokens"] += sum(len(d) for d in drafts)
         self.propose_time["seconds"] += time.perf_counter() - started
-        self.malloc_trim.maybe(idle=False)
         stats_export.maybe_write(self)  # VLLM_SPECPLUG_STATS_FILE, see stats_export
         return drafts
 
@@ -449,12 +458,15 @@ class SpecPlugDrafter(DrafterState):
                 self.proposer.finish(req_id)
             self._hook = "start"
             info = tenancy.request_info(self.runner, req_id, self._salts, self.isolation)
+            if self.runner is not None:   # only what its user receives may be stored
+                info = replace(info, output_end=OutputEnd.of(
+                    self.runner.requests[req_id].sampling_params))
             cap = tenancy.draft_cap(self.runner, req_id)
             if cap is None:
                 self._request_caps.pop(req_id, None)
             else:
                 self._request_caps[req_id] = cap
-            self._preempted.discard(req_id)
+            self._preempted.pop(req_id, None)
             start_request(self.proposer, req_id, token_ids_cpu[row, :n].tolist(), info)
             if topk is not None:
                 self._hook = "observe"
@@ -602,6 +614,19 @@ class SpecPlugDrafter(DrafterState):
         number of requests waiting in the scheduler's queue (``queue_state``)."""
         tenancy.note_new_requests(scheduler_output, self._salts)
         self._waiting = queue_state.waiting_of(scheduler_output)
+        # a step that schedules nothing: vLLM runs one to free the last
+        # finished requests; every rank sees the same scheduler output
+        self._idle_step = (scheduler_output is not None
+                           and scheduler_output.total_num_scheduled_tokens == 0)
+
+    def after_update_states(self) -> None:
+        """Called by the runner patch once ``_update_states`` has freed the
+        step's finished requests. In a step that schedules nothing, glibc's
+        free memory goes back (``malloc_trim``): never inside a step that
+        runs the model, and on every rank in the same step (issue 45 item 4)."""
+        if self._idle_step:
+            self._idle_step = False
+            self.malloc_trim.maybe()
 
     def finish_request(self, req_id: str) -> None:
         """The request finished or was aborted (runner hook; preempted requests
@@ -616,7 +641,7 @@ class SpecPlugDrafter(DrafterState):
         if self.containment.finished(req_id):
             # its state was freed at the fault; complete() lets the proposer
             # drop what it keeps past a finish (sam: the prompt length)
-            self._preempted.discard(req_id)
+            self._preempted.pop(req_id, None)
             try:
                 self.proposer.complete(req_id)
             except Exception:  # noqa: BLE001 - the request's fault was counted
@@ -627,7 +652,7 @@ class SpecPlugDrafter(DrafterState):
             # freed when it left the batch, now finished or aborted: the
             # proposer drops what it kept over the preemption (sam: the
             # prompt length)
-            self._preempted.discard(req_id)
+            self._preempted.pop(req_id, None)
             if req_id not in self._seen:
                 self._complete(req_id)
                 return
@@ -658,8 +683,6 @@ class SpecPlugDrafter(DrafterState):
             self.proposer.finish(req_id)
         except Exception as e:  # noqa: BLE001 - one request's fault stays its own
             self._request_fault(req_id, e, finished=finished)
-        if not self._seen:            # no request left: an idle moment to trim
-            self.malloc_trim.maybe(idle=True)
         stats_export.maybe_write(self, freed=True)
 
     # ------------------------------------------------------------------ faults
@@ -708,6 +731,8 @@ class SpecPlugDrafter(DrafterState):
         # entries of each structure that grows with traffic (docs/architecture.md, "Bounds")
         out["sizes"] = {"drafter_requests": len(self._seen), "drafter_trees": len(self.trees),
                         "drafter_remaining": len(self._remaining),
+                        "drafter_salts": tenancy.recorded_salts(self._salts),
+                        "drafter_preempted": len(self._preempted),
                         "drafter_paces": len(self.paces),
                         "backoff_requests": len(self.backoff),
                         "request_caps": len(self._request_caps),

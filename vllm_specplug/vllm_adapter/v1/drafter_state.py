@@ -32,3 +32,15 @@ class DrafterState:
     #: this engine's tree step state (requests, attention arguments, accepted
     #: paths, counters), bound to the model's attention layers at load
     step: StepTrees
+    #: the faults contained (``vllm_specplug.faults.Containment``)
+    containment: Any
+
+    def verify_fault(self, req_id: str, site: str, error: BaseException) -> None:
+        """Verifying ``req_id``'s draft raised at ``site`` (``tree_logits``,
+        ``tree_scorer``, ``seeded_replay``): contained as a proposer fault is
+        (the drafter's ``_request_fault``: counted under ``site``, logged once
+        with the traceback, the request decodes without drafts from now on and
+        its proposer state is freed). The caller gives the row plain
+        decoding's token for this step."""
+        self._hook = site
+        self._request_fault(req_id, error)

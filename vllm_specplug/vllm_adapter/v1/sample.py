@@ -20,6 +20,13 @@ Three jobs, in this order:
    before vLLM's rejection sampler draws from them and restored after it;
    then each such row (tree or chain) is replaced by the replay of plain
    decoding's draws, so its text is plain decoding's with that seed.
+
+Faults in 3 and 4 are contained (docs/architecture.md, "Faults"): a tree
+request whose scoring raises (its scorer, a NaN distribution, seeded replay)
+accepts no draft and gets plain decoding's next token from its root row
+(``tree_runtime.accept_trees``), a failed tree attention does that for the
+step's trees, a seeded chain row whose replay raises keeps vLLM's own
+verification; the engine and the other requests go on.
 """
 from __future__ import annotations
 
@@ -74,27 +81,62 @@ def make_sample(original):
         if step.requests:
             rows = tree_runtime.tree_logits(logits, spec_decode_metadata, step)
         # seeded rows: their generators' states before vLLM's sampler draws
-        seeded_rows = seeded.seeded_rows(self, spec_decode_metadata)
+        try:
+            seeded_rows = seeded.seeded_rows(self, spec_decode_metadata)
+        except Exception as e:  # noqa: BLE001 - a shared step: vLLM's own verification
+            drafter.containment.shared_fault("seeded_replay", e)
+            seeded_rows = []
         gens = self.input_batch.sampling_metadata.generators
         saved = {row: gens[row].get_state() for row in seeded_rows}
         sampler_output = original(self, logits, spec_decode_metadata)
+        # (and after them: where vLLM's own verification of a row leaves it)
+        drawn = {row: gens[row].get_state() for row in saved}
         for row, state in saved.items():
             gens[row].set_state(state)
         tree_rows = set()
         if rows is not None:
-            tree_runtime.accept_trees(self, rows, sampler_output, seeded=set(saved))
+            tree_runtime.accept_trees(self, rows, sampler_output, seeded=saved)
             tree_rows = {tr.row for tr in step.requests}
         chains = [row for row in seeded_rows if row not in tree_rows]
         if chains:
-            seeded.replay_chains(self, logits, spec_decode_metadata, chains,
-                                 sampler_output.sampled_token_ids)
-            seeded.recompute_logprobs(self, logits, spec_decode_metadata, sampler_output)
-            step.stats["seeded_chain_steps"] = (step.stats.get("seeded_chain_steps", 0)
-                                                + len(chains))
+            _replay_chains(self, drafter, logits, spec_decode_metadata, chains, sampler_output,
+                           drawn)
         step.clear()
         return sampler_output
 
     return _sample
+
+
+def _replay_chains(runner, drafter, logits, spec_meta, chains: list[int], sampler_output,
+                   drawn: dict) -> None:
+    """Seeded chain rows replaced by the replay of plain decoding's draws
+    (``seeded.replay_chains``), faults contained: a row whose replay raises
+    keeps vLLM's own verification (lossless; its generator where vLLM's draws
+    left it) and its request decodes without drafts from then on; if the
+    logprobs cannot be recomputed for the replaced rows, every chain row goes
+    back to vLLM's verification for the step."""
+    from . import seeded
+
+    out = sampler_output.sampled_token_ids
+    gens = runner.input_batch.sampling_metadata.generators
+    vllms = {row: out[row].clone() for row in chains}
+
+    def fault(row: int, error: BaseException) -> None:
+        gens[row].set_state(drawn[row])
+        drafter.verify_fault(runner.input_batch.req_ids[row], "seeded_replay", error)
+
+    done = seeded.replay_chains(runner, logits, spec_meta, chains, out, on_fault=fault)
+    try:
+        if done:
+            seeded.recompute_logprobs(runner, logits, spec_meta, sampler_output)
+    except Exception as e:  # noqa: BLE001 - a shared step: vLLM's verification stands
+        drafter.containment.shared_fault("seeded_replay", e)
+        for row in done:
+            out[row] = vllms[row]
+            gens[row].set_state(drawn[row])
+        done = {}
+    step = drafter.step
+    step.stats["seeded_chain_steps"] = step.stats.get("seeded_chain_steps", 0) + len(done)
 
 
 def expand_batch_to_tokens(x: torch.Tensor, cu_num_tokens: torch.Tensor, num_tokens: int,

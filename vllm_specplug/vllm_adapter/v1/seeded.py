@@ -183,20 +183,29 @@ def recompute_logprobs(runner, logits: torch.Tensor, spec_meta, sampler_output) 
         sampler_output.sampled_token_ids)
 
 
-def replay_chains(runner, logits: torch.Tensor, spec_meta, rows: list[int], out: torch.Tensor
+def replay_chains(runner, logits: torch.Tensor, spec_meta, rows: list[int], out: torch.Tensor,
+                  on_fault: Callable[[int, BaseException], None] | None = None
                   ) -> dict[int, Acceptance]:
     """Seeded chain rows (verified by vLLM's rejection sampler, whose tokens
-    ``out`` holds): each row replaced by its replayed acceptance."""
+    ``out`` holds): each row replaced by its replayed acceptance. With
+    ``on_fault``, a row whose replay raises is left as vLLM verified it and
+    ``on_fault(row, error)`` called (else the error propagates)."""
     cu_sampled = spec_meta.cu_num_sampled_tokens.cpu().numpy()
     cu_draft = spec_meta.cu_num_draft_tokens.cpu().numpy()
     done = {}
     for row in rows:
-        n = spec_meta.num_draft_tokens[row]
-        first = int(cu_sampled[row - 1]) if row > 0 else 0
-        d0 = int(cu_draft[row - 1]) if row > 0 else 0
-        toks = spec_meta.draft_token_ids[d0: d0 + n].cpu().numpy()
-        draft = Draft(toks, np.arange(-1, n - 1))
-        acc = replay_row(runner, row, draft, logits[first: first + n + 1])
+        try:
+            n = spec_meta.num_draft_tokens[row]
+            first = int(cu_sampled[row - 1]) if row > 0 else 0
+            d0 = int(cu_draft[row - 1]) if row > 0 else 0
+            toks = spec_meta.draft_token_ids[d0: d0 + n].cpu().numpy()
+            draft = Draft(toks, np.arange(-1, n - 1))
+            acc = replay_row(runner, row, draft, logits[first: first + n + 1])
+        except Exception as e:  # noqa: BLE001 - the caller contains it (on_fault)
+            if on_fault is None:
+                raise
+            on_fault(row, e)
+            continue
         write_row(out, row, acc.tokens(draft))
         done[row] = acc
     return done

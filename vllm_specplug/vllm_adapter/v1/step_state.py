@@ -51,12 +51,30 @@ class StepTrees:
     rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
     #: decoder attention layers bound to this step (``bind_tree_layers``)
     layers: int = 0
+    #: the first exception a layer's tree attention raised this step (None:
+    #: none); the step's real trees then verify no drafts (``fail_attention``)
+    attention_error: BaseException | None = None
+    #: req_id -> (site, exception): a fault met before acceptance (copying the
+    #: request's logits rows); acceptance contains it (``tree_runtime.accept_trees``)
+    row_faults: dict = field(default_factory=dict)
 
     def clear(self) -> None:
         """Forget the step just executed (counters and accepted paths stay)."""
         self.requests = []
         self.groups = []
         self.flash = None
+        self.attended = False
+        self.attention_error = None
+        self.row_faults = {}
+
+    def fail_attention(self, error: BaseException) -> None:
+        """A layer's tree attention raised: kept (the first one) for the
+        ``_sample`` patch, and no later layer of this forward recomputes tree
+        rows. The roots' rows never depend on it (vLLM's causal kernel
+        computes them, the draft nodes come after them), so each tree request
+        still gets plain decoding's next token, with no draft accepted."""
+        if self.attention_error is None:
+            self.attention_error = error
         self.attended = False
 
     def take_accepted_paths(self) -> dict[str, list[int]]:

@@ -6,8 +6,9 @@ someone else recently produced the text it is producing. The proposers keep
 that memory apart by ``RequestInfo.tenant``; this module makes the key:
 
 * ``isolation`` "salt" (default): the request's ``cache_salt`` and LoRA
-  adapter name (vLLM keys its prefix cache by both); requests with neither
-  share the key ``()``;
+  adapter (its name, id and path: ``lora_key``); requests with neither share
+  the key ``()``; a request whose salt was not recorded (a patch that did not
+  run) gets no cross-request memory (fails closed, logged as its fault);
 * ``isolation`` "none": ``()`` for every request (one shared memory);
 * ``isolation`` "request": None for every request (no cross-request memory);
 * a request with ``SamplingParams.extra_args = {"specplug_share": False}``
@@ -131,7 +132,7 @@ def shares(sampling_params: Any) -> bool:
     return _valid_share(value) and bool(value)
 
 
-def tenant_key(mode: str, salt: str | None, lora: str | None, share: bool) -> Hashable | None:
+def tenant_key(mode: str, salt: str | None, lora: tuple | None, share: bool) -> Hashable | None:
     """``RequestInfo.tenant`` for an ``isolation`` mode (module doc)."""
     if mode not in ISOLATION_MODES:
         raise ValueError(f"isolation must be one of {ISOLATION_MODES}, got {mode!r}")
@@ -140,6 +141,18 @@ def tenant_key(mode: str, salt: str | None, lora: str | None, share: bool) -> Ha
     if mode == "none" or (salt is None and lora is None):
         return ()
     return (salt, lora)
+
+
+def lora_key(lora_request: Any) -> tuple | None:
+    """The LoRA part of a tenant key: the adapter's name, id and path (None
+    without an adapter). A name re-pointed to another adapter (another path
+    or id) is another tenant, so it never drafts from the previous adapter's
+    outputs. An adapter reloaded in place (``load_inplace``: same name, id
+    and path, new weights) keeps its key: vLLM's own prefix cache does not
+    tell those apart either."""
+    if lora_request is None:
+        return None
+    return (lora_request.lora_name, lora_request.lora_int_id, lora_request.lora_path)
 
 
 def note_new_requests(scheduler_output: Any, salts: dict) -> None:
@@ -152,6 +165,12 @@ def note_new_requests(scheduler_output: Any, salts: dict) -> None:
         salts[new.req_id] = getattr(new, SALT_ATTR, _UNKNOWN)
 
 
+def recorded_salts(salts: dict) -> int:
+    """How many requests' salts ``salts`` holds (its size in the drafter's
+    ``sizes``; the marker of a seen scheduler output is not one)."""
+    return len(salts) - (_SCHEDULED in salts)
+
+
 def request_info(runner: Any, req_id: str, salts: dict, mode: str) -> RequestInfo:
     """What ``Proposer.start`` learns of a request: its tenant key and prompt
     length, from the runner's request state (``CachedRequestState``)."""
@@ -160,13 +179,21 @@ def request_info(runner: Any, req_id: str, salts: dict, mode: str) -> RequestInf
     state = runner.requests[req_id]
     salt = None
     if mode == "salt":
-        salt = salts.get(req_id, _UNKNOWN if _SCHEDULED in salts else None)
+        # Fail closed: with a real runner, a request whose salt was not
+        # recorded (no scheduler output seen at all, or its NewRequestData
+        # without our attribute) never joins the no-salt tenant.
+        if _SCHEDULED not in salts:
+            raise RuntimeError(
+                f"vllm_specplug: no scheduler output was recorded before request {req_id} "
+                f"(the patch of the runner's _update_states did not run); it drafts without "
+                f"cross-request memory")
+        salt = salts.get(req_id, _UNKNOWN)
         if salt is _UNKNOWN:
             raise RuntimeError(
                 f"vllm_specplug: no cache_salt was recorded for request {req_id} (the patch "
                 f"of NewRequestData.from_request did not run in the scheduler's process); "
                 f"it drafts without cross-request memory")
-    lora = state.lora_request.lora_name if state.lora_request is not None else None
+    lora = lora_key(state.lora_request)
     return RequestInfo(tenant=tenant_key(mode, salt, lora, shares(state.sampling_params)),
                        num_prompt_tokens=int(state.num_prompt_tokens))
 
@@ -178,7 +205,9 @@ UPDATE_STATES_ARGS = ("scheduler_output",)
 
 def make_update_states(original):
     """``GPUModelRunner._update_states`` that first hands the step's scheduler
-    output to our drafter (the salts of its new requests)."""
+    output to our drafter (the salts of its new requests; whether the step
+    schedules anything), and afterwards lets it use a step that schedules
+    nothing (``SpecPlugDrafter.after_update_states``)."""
     from ..patching import bind
     from .runner import our_drafter
 
@@ -188,7 +217,10 @@ def make_update_states(original):
         drafter = our_drafter(self)
         if drafter is not None:
             drafter.note_scheduler_output(arguments(self, *args, **kwargs)["scheduler_output"])
-        return original(self, *args, **kwargs)
+        out = original(self, *args, **kwargs)
+        if drafter is not None:
+            drafter.after_update_states()   # an idle step: malloc_trim
+        return out
 
     return _update_states
 

@@ -4,6 +4,10 @@ What the tree path cannot serve is refused when a layer is built (sliding
 windows, ALiBi, soft-capping, sinks) and when vLLM builds the metadata builder
 at KV-cache initialisation (the cache layout, ``cpu_kv.check_isa``), both
 before the engine serves a request; nothing raises inside a forward pass.
+Should tree attention raise all the same (out of memory), the step's tree
+requests accept no draft and decode their next token as plain decoding would
+(``StepTrees.fail_attention``, ``tree_runtime.accept_trees``): the engine and
+its other requests go on.
 """
 from __future__ import annotations
 
@@ -31,7 +35,10 @@ class TreeCPUAttentionImpl(TreeLayerImpl, CPUAttentionBackendImpl):
                                  output_scale, output_block_scale)
         step = self.tree_step_now()   # bound at model load (step_state)
         if attn_metadata is not None and step is not None:
-            tree_attention(self, query, kv_cache, output, step)
+            try:
+                tree_attention(self, query, kv_cache, output, step)
+            except Exception as e:  # noqa: BLE001 - contained: this step's trees accept no draft
+                step.fail_attention(e)
         return result
 
 

@@ -16,7 +16,9 @@ cudagraph mode to PIECEWISE (attention outside the graphs, where this Python
 code runs every step) instead of replaying full-graph decode steps that would
 skip it; an explicit FULL mode is refused by vLLM with its own message.
 
-Nothing here raises while serving. What the tree path cannot serve is refused
+Nothing here is meant to raise while serving; a Python-level failure of the
+tree kernel's launch is contained (``StepTrees.fail_attention``: the step's
+tree requests accept no draft). What the tree path cannot serve is refused
 before: in process 0 (``cuda_checks.check_tree_model``), when the tree
 patches are installed (``cuda_checks.check_cuda_tree_config``), when a layer
 is built (:func:`_unsupported_layer`) and when vLLM builds the metadata
@@ -84,8 +86,13 @@ class TreeFlashAttentionImpl(TreeLayerImpl, FlashAttentionImpl):
                 self.tree_warm = True
             step = self.tree_step_now()   # bound at model load (step_state)
             if step is not None:
-                flash_tree_attention(self, query, kv_cache, attn_metadata.block_table, output,
-                                     step.flash)
+                try:
+                    flash_tree_attention(self, query, kv_cache, attn_metadata.block_table,
+                                         output, step.flash)
+                except Exception as e:  # noqa: BLE001 - contained: no tree draft accepted
+                    # (a Python-level failure: a launch or compile error; a fault
+                    # inside the kernel poisons the CUDA context and cannot be)
+                    step.fail_attention(e)
         return result
 
 
