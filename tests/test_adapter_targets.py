@@ -59,8 +59,6 @@ VLLM_ATTRIBUTES = [
     # drafter.py (malloc_trim only in a step that schedules nothing)
     ("vllm.v1.core.sched.output", "SchedulerOutput", "total_num_scheduled_tokens"),
     ("vllm.v1.core.sched.output", "NewRequestData", "req_id"),
-    # queue_state.py (the queue length the Scheduler.schedule patch sends)
-    ("vllm.v1.core.sched.scheduler", "Scheduler", "get_request_counts"),
     ("vllm.v1.worker.gpu_input_batch", "CachedRequestState", "lora_request"),
     ("vllm.lora.request", "LoRARequest", "lora_name"),
     ("vllm.lora.request", "LoRARequest", "lora_int_id"),

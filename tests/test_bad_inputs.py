@@ -132,7 +132,7 @@ def test_auto_budget_where_unsupported(k):
     ("sam", "sam_spec_factor", float("nan"), "must be a number, got NaN"),
     ("sam", "sam_spec_factor", float("inf"), "must be <= 1024.0, got inf"),
     ("sam", "sam_min_accept_prob", 1.5, "must be <= 1.0, got 1.5"),
-    ("sam", "sam_min_token_prob", -0.1, "must be >= 0.0, got -0.1"),
+    ("sam", "sam_min_accept_prob", -0.1, "must be >= 0.0, got -0.1"),
     ("sam", "sam_min_match_len", 10**30, "must be <= 1024"),
     ("sam", "sam_corpus_bias", -1, "must be >= 0, got -1"),
     ("sam", "sam_corpus", 5, "must be a string, got 5"),

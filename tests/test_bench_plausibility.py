@@ -169,3 +169,40 @@ def test_the_demo_verdict_compares_each_method_with_suffix():
     # without suffix in the run, methods are compared with plain decoding
     alone = report.verdicts(_result(plain, {"sam": sam}))
     assert alone[0].startswith("sam: faster than plain decoding")
+
+
+def test_the_demo_gives_a_verdict_per_workload_against_the_readme():
+    """Workload c0: the README recommends sam; c1: nothing is expected to
+    gain much, and none of ours may be slower than plain decoding."""
+    plain = [_row(i, 96, 0, 96 * 0.100) for i in range(4)]      # c0: ids 0, 2; c1: 1, 3
+    suffix = [_row(i, 96, 40, 56 * 0.105) for i in range(4)]
+    sam = [_row(i, 96, 48, 48 * 0.110) for i in range(4)]       # fastest everywhere
+    res = _result(plain, {"suffix": suffix, "sam": sam})
+    lines = report.workload_verdicts(res, {"c0": "sam", "c1": None})
+    assert len(lines) == 2
+    assert lines[0].startswith("c0 (`suffix` ") and "the recommended `sam` is the fastest" in lines[0]
+    assert "none of ours is slower than plain decoding" in lines[1]
+    # the README's pick loses by more than ON_PAR: said so, with by how much
+    lose = report.workload_verdicts(res, {"c0": "suffix"})
+    assert "**not as the README says**: `sam` is" in lose[0]
+    # within ON_PAR of the fastest: on par
+    near = [dict(r, seconds=r["seconds"] * 1.01) for r in sam]
+    res2 = _result(plain, {"sam": sam, "sam_tr": near})
+    assert "on par with the fastest, `sam`" in report.workload_verdicts(res2, {"c0": "sam_tr"})[0]
+    # one of ours slower than plain where nothing is expected to gain
+    slow = [_row(i, 96, 0, 96 * 0.110) for i in range(4)]
+    res3 = _result(plain, {"sam": slow})
+    assert "**not as expected**: `sam` slower" in report.workload_verdicts(res3, {"c1": None})[0]
+
+
+def test_the_demo_rows_cover_each_workload_in_order():
+    from vllm_specplug.bench.workloads import DEMO_WORKLOADS, demo_rows
+    from vllm_specplug.cli import QUICK
+
+    rows = demo_rows()
+    labels = list(dict.fromkeys(r["category"] for r in rows))
+    assert labels == list(DEMO_WORKLOADS) == list(QUICK["recommends"])
+    assert len({r["id"] for r in rows}) == len(rows)
+    agent = [r for r in rows if r["category"] == "agent loop"]
+    assert [r["turn"] for r in agent] == [0, 1, 2, 3] and len({r["session"] for r in agent}) == 1
+    assert sum(r["category"] == "extraction" for r in rows) == 4

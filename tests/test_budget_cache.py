@@ -60,7 +60,7 @@ def test_drafter_saves_and_next_drafter_starts_from_cache(tmp_path, monkeypatch)
     d = SpecPlugDrafter(config())
     assert not d.step_cost_from_cache
     d.step_cost = fitted(n=SAVE_EVERY - 1)
-    d._last_step = (("r",), 3, time.perf_counter() - 0.09)
+    d.budget.last = (("r",), 3, time.perf_counter() - 0.09)
     d._time_step(["r"], [[1]])  # the SAVE_EVERY-th sample
     assert path.is_file()
     d2 = SpecPlugDrafter(config())

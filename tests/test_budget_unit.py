@@ -215,8 +215,16 @@ def test_disable_by_batch_size_bounds(limit, ok):
 
 def test_bad_batch_budget_mode_lists_the_modes():
     with pytest.raises(SpecPlugConfigError,
-                       match=r"must be one of 'auto', 'pace', 'off', got 'on'$"):
+                       match=r"must be one of 'auto', 'off', got 'on'$"):
         pop_batch_options({"batch_budget": "on"})
+
+
+def test_removed_pace_budget_is_refused_with_the_valid_modes():
+    """The "pace" mode (pacing fixed batches) was removed on 2026-12-07, measured no
+    faster: refused before the engine starts, naming the valid modes."""
+    with pytest.raises(SpecPlugConfigError,
+                       match=r"must be one of 'auto', 'off', got 'pace' \(\"pace\" was removed"):
+        pop_batch_options({"batch_budget": "pace"})
 
 
 def test_token_costs_default_to_one_row():

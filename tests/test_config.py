@@ -20,12 +20,12 @@ from vllm_specplug.vllm_adapter.version import (SUPPORTED_VLLM_VERSIONS,
                                                 UnsupportedVLLMVersion, check_vllm_version)
 
 SAM_DEFAULTS = {"sam_continuation": "frequent", "sam_min_match_len": 1,
-                "sam_min_accept_prob": None, "sam_min_token_prob": 0.0,
+                "sam_min_accept_prob": None,
                 "sam_spec_factor": 4.0, "sam_corpus": "", "sam_corpus_bias": None,
                 "sam_global_tokens": 500_000, "sam_global_bytes": 0, "sam_global_prompts": False,
                 "sam_global_tenants": 16, "sam_stop": "table", "sam_stop_file": ""}
 SAM_KEYS = ("sam_continuation", "sam_min_match_len", "sam_min_accept_prob",
-            "sam_min_token_prob", "sam_spec_factor")
+            "sam_spec_factor")
 
 
 def test_translate_defaults():
@@ -68,13 +68,11 @@ def test_translate_options():
 
 
 def test_translate_new_options():
-    spec = {"method": "sam", "sam_continuation": "first", "sam_min_accept_prob": 0,
-            "sam_min_token_prob": 1}
+    spec = {"method": "sam", "sam_continuation": "first", "sam_min_accept_prob": 0}
     _, plugin = translate(spec)
     assert plugin["options"] == {**SAM_DEFAULTS, "sam_continuation": "first",
-                                 "sam_min_accept_prob": 0.0, "sam_min_token_prob": 1.0}
+                                 "sam_min_accept_prob": 0.0}
     assert isinstance(plugin["options"]["sam_min_accept_prob"], float)
-    assert isinstance(plugin["options"]["sam_min_token_prob"], float)
     _, plugin = translate({"method": "sam", "sam-continuation": "frequent",
                            "sam-min-accept-prob": 0.5})
     assert plugin["options"]["sam_continuation"] == "frequent"
@@ -154,14 +152,14 @@ def test_continuation_must_be_a_choice(value):
         assert "'frequent'" in msg and "'first'" in msg
 
 
-@pytest.mark.parametrize("key", ["sam_min_accept_prob", "sam_min_token_prob"])
+@pytest.mark.parametrize("key", ["sam_min_accept_prob"])
 @pytest.mark.parametrize("value", [-0.01, 1.01, 2, float("inf"), float("nan"), "0.5", True, None])
 def test_probability_options_rejected(key, value):
     with pytest.raises(SpecPlugConfigError, match=key):
         translate({"method": "sam", key: value})
 
 
-@pytest.mark.parametrize("key", ["sam_min_accept_prob", "sam_min_token_prob"])
+@pytest.mark.parametrize("key", ["sam_min_accept_prob"])
 @pytest.mark.parametrize("value", [0, 0.0, 0.5, 1, 1.0])
 def test_probability_options_accepted(key, value):
     _, plugin = translate({"method": "sam", key: value})
@@ -197,7 +195,6 @@ def test_build_proposer_defaults():
     assert prop.continuation == "frequent"
     assert prop.min_match_len == 1
     assert prop.min_accept_prob is None   # draft lengths from the verify cost
-    assert prop.min_token_prob == 0.0
     assert prop.spec_factor == 4.0
     assert prop.acceptance.tried.shape[1] == 4
 
@@ -209,11 +206,10 @@ def test_build_proposer_applies_options():
     assert isinstance(prop, SamProposer)
     assert (prop.num_speculative_tokens, prop.min_match_len, prop.spec_factor) == (3, 5, 0.5)
     _, plugin = translate({"method": "sam", "num_speculative_tokens": 6,
-                           "sam_continuation": "first", "sam_min_accept_prob": 0,
-                           "sam_min_token_prob": 0.9})
+                           "sam_continuation": "first", "sam_min_accept_prob": 0})
     prop = build_proposer(plugin)
-    assert (prop.num_speculative_tokens, prop.continuation, prop.min_accept_prob,
-            prop.min_token_prob) == (6, "first", 0.0, 0.9)
+    assert (prop.num_speculative_tokens, prop.continuation, prop.min_accept_prob) == (
+        6, "first", 0.0)
     # the options act: "first" falls back to the first occurrence of a shorter
     # match ([1]) for more tokens; "frequent" continues the longest ([1, 3, 1]),
     # and where that walk reaches the end of the text, continues [1, 3, 1] again

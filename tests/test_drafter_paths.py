@@ -179,7 +179,7 @@ def test_a_raising_target_hook_is_logged_with_its_error(drafter, caplog):
     drafter.target_hook = _TargetHook(fail=True)
     with caplog.at_level(logging.ERROR, logger="vllm_specplug"):
         drafter.begin_step(["a"], None, sampled_token_ids=[[1]])
-    assert drafter._step_fault
+    assert drafter.budget.fault
     assert any("no features this step" in (r.getMessage() + str(r.exc_info))
                for r in caplog.records)
 
@@ -196,17 +196,17 @@ def test_the_step_cost_model_gets_each_steps_verified_tokens_and_time(drafter, m
     assert samples == []                          # no earlier step to time
     drafted = sum(len(d) for d in first)
     assert drafted > 0
-    assert drafter._last_step[:2] == (("a", "b"), drafted)
-    then = drafter._last_step[2]
+    assert drafter.budget.last[:2] == (("a", "b"), drafted)
+    then = drafter.budget.last[2]
     h = {r: v + [v[-4]] for r, v in h.items()}
     step(drafter, ["a", "b"], list(h.values()), [[h["a"][-1]], [h["b"][-1]]])
     # one sample: the 2 rows' own tokens plus last step's drafts, over the
     # time between the two steps' clock readings
     assert len(samples) == 1 and samples[0][0] == 2 + drafted and samples[0][2] == 2
-    assert samples[0][1] == drafter._last_step[2] - then > 0
+    assert samples[0][1] == drafter.budget.last[2] - then > 0
     # a step with a row not decoding is not timed, nor the one after it
     step(drafter, ["a", "b"], list(h.values()), [[h["a"][-1]], []])
-    assert drafter._last_step is None
+    assert drafter.budget.last is None
     step(drafter, ["a", "b"], list(h.values()), [[h["a"][-1]], [h["b"][-1]]])
     assert len(samples) == 1
 
@@ -251,8 +251,7 @@ def _bounded(patch_calls, max_tokens=20):
 
 
 def _per_request_state(d, req_id) -> dict:
-    return {"seen": req_id in d._seen, "remaining": req_id in d._remaining,
-            "paces": req_id in d.paces.rows or req_id in d.paces.allowed,
+    return {"seen": req_id in d.requests.running(),
             "calibration": req_id in d.calibration.pending}
 
 
@@ -268,7 +267,7 @@ def test_a_fault_frees_every_per_request_structure(patch_calls, monkeypatch):
     step(d, list(hists), list(hists.values()), [[hists["a"][-1]], [hists["b"][-1]]])
     assert "a" in d.containment
     assert not any(_per_request_state(d, "a").values()), _per_request_state(d, "a")
-    assert _per_request_state(d, "b")["seen"] and _per_request_state(d, "b")["remaining"]
+    assert _per_request_state(d, "b")["seen"]
 
 
 def test_leaving_the_batch_frees_every_per_request_structure(patch_calls):
@@ -280,37 +279,24 @@ def test_leaving_the_batch_frees_every_per_request_structure(patch_calls):
     assert all(_per_request_state(d, "a").values())
     step(d, ["b"], [hists["b"] + [5]], [[5]])              # a preempted
     assert not any(_per_request_state(d, "a").values()), _per_request_state(d, "a")
-    assert list(d._preempted) == ["a"]
+    assert d.requests.holding("preempted") == ["a"]
 
 
 def test_a_faulted_request_that_finishes_leaves_no_trace(patch_calls, monkeypatch):
     d = _bounded(patch_calls)
     _Recorder(monkeypatch, d.proposer, raise_in="propose")
     step(d, ["a", "b"], [[1, 2, 3, 1, 2], [4, 5, 4, 5, 4]], [[2], [4]])
-    d._preempted["a"] = None       # it had also been preempted before its fault
+    d.requests["a"].preempted = True   # it had also been preempted before its fault
     d.finish_request("a")
-    assert "a" not in d._preempted and "a" not in d.containment
+    assert "a" not in d.requests and "a" not in d.containment
     assert not any(_per_request_state(d, "a").values())
 
 
-def test_finish_forgets_the_requests_pace(drafter, monkeypatch):
-    forgotten = []
-    orig = drafter.paces.forget
-    monkeypatch.setattr(drafter.paces, "forget",
-                        lambda req_id: (forgotten.append(req_id), orig(req_id))[1])
+def test_finish_forgets_the_request(drafter):
     step(drafter, ["a"], [[1, 2, 3, 1, 2]], [[2]])
+    assert "a" in drafter.requests
     drafter.finish_request("a")
-    assert forgotten and set(forgotten) == {"a"}
-
-
-@pytest.mark.parametrize("left, ran_to_bound", [(K - 1, True), (K, True), (K + 1, False)])
-def test_a_finish_within_one_draft_of_max_tokens_counts_as_running_to_it(
-        drafter, left, ran_to_bound):
-    recorded = []
-    drafter.length_endings.record = recorded.append
-    drafter._remaining["a"] = left
-    drafter.finish_request("a")
-    assert recorded == [ran_to_bound]
+    assert "a" not in drafter.requests
 
 
 def _so(scheduled_tokens):
@@ -395,9 +381,9 @@ def test_a_hook_raising_at_the_finish_frees_the_request(patch_calls, monkeypatch
 def test_a_preempted_request_that_returns_is_no_longer_preempted(drafter):
     step(drafter, ["a", "b"], [[1, 2, 1, 2], [3, 4, 3, 4]], [[2], [4]])
     step(drafter, ["b"], [[3, 4, 3, 4, 3]], [[3]])
-    assert list(drafter._preempted) == ["a"]
+    assert drafter.requests.holding("preempted") == ["a"]
     step(drafter, ["a", "b"], [[1, 2, 1, 2, 1], [3, 4, 3, 4, 3, 4]], [[1], [4]])
-    assert not drafter._preempted and "a" in drafter._seen
+    assert not drafter.requests.holding("preempted") and "a" in drafter.requests.running()
 
 
 def test_a_top_k_observe_raising_after_a_start_is_charged_to_observe(drafter, monkeypatch):

@@ -45,16 +45,13 @@ def test_construction(patch_calls):
     assert stats.pop("proposer")["dynamic_drafts"] == 0
     assert stats.pop("batch_budget") == {"steps": 0, "disabled_steps": 0,
                                          "nodes_proposed": 0, "nodes_kept": 0, "nodes_explored": 0,
-                                         "nodes_past_max_tokens": 0,
-                                         "paced_steps": 0, "nodes_paced_off": 0}
+                                         "nodes_past_max_tokens": 0}
     assert stats.pop("propose_time") == {"calls": 0, "rows": 0, "seconds": 0.0,
                                          "draft_tokens": 0}
     assert stats.pop("calibration") == {"ratio": 1.0, "settled": 0, "accepted": 0.0,
                                         "expected": 0.0}
     assert stats.pop("faults") == {"requests": 0, "steps": 0, "hooks": {},
                                    "requests_without_drafts": 0}
-    assert stats.pop("pacing") == {"waiting": None, "ran_to_max_tokens_share": 1.0,
-                                   "finished": 0, "binding": True, "overall_pace": 2.0}
     # the goodput controller and backoff: off by default, nothing recorded
     assert stats.pop("goodput") == {"enabled": False, "level": 1.0, "active": 1.0, "windows": 0,
                                     "probes": 0, "moves": 0,
@@ -83,9 +80,8 @@ def test_options_reach_the_proposer(patch_calls):
     assert (d.k, d.proposer.min_match_len, d.proposer.spec_factor) == (3, 4, 0.5)
     d = SpecPlugDrafter(make_vllm_config(
         {"method": "sam", "num_speculative_tokens": 5, "sam_continuation": "first",
-         "sam_min_accept_prob": 0.25, "sam_min_token_prob": 0.75}))
-    assert (d.k, d.proposer.continuation, d.proposer.min_accept_prob,
-            d.proposer.min_token_prob) == (5, "first", 0.25, 0.75)
+         "sam_min_accept_prob": 0.25}))
+    assert (d.k, d.proposer.continuation, d.proposer.min_accept_prob) == (5, "first", 0.25)
     assert d.proposer.acceptance.tried.shape[1] == 5
 
 
@@ -354,7 +350,7 @@ def test_request_leaving_the_batch_is_freed(drafter):
     assert drafts == [fresh_draft(hists[0] + [1]), fresh_draft(hists[2] + [5])]
     assert drafter.stats()["active_requests"] == 2
     assert drafter.stats()["state_bytes"] < full_bytes
-    assert set(drafter._seen) == {"a", "c"}
+    assert set(drafter.requests.running()) == {"a", "c"}
     # all left
     assert step(drafter, [], [], []) == []
     assert drafter.stats()["active_requests"] == 0
@@ -432,7 +428,7 @@ def test_proposer_error_affects_only_its_request(drafter, monkeypatch, caplog):
     assert drafts[0] and drafts[2]
     assert drafter.stats()["errors"] == 1
     assert drafter.stats()["active_requests"] == 2  # b's state was dropped
-    assert "b" not in drafter._seen
+    assert "b" not in drafter.requests.running()
     assert any("b" in r.getMessage() for r in caplog.records)
 
     # b decodes without drafts for the rest of its life (tests/test_faults.py),
@@ -587,19 +583,19 @@ def test_finish_frees_a_request_whatever_path_it_left_by(drafter, monkeypatch):
     drafter.note_scheduler_output(NS(scheduled_new_reqs=[
         NS(req_id=r, specplug_cache_salt=f"salt-{r}") for r in ("a", "b", "c")],
         total_num_scheduled_tokens=3))
-    assert {"a", "b", "c"} <= set(drafter._salts)
+    assert {"a", "b", "c"} <= set(drafter.requests.holding("salt"))
     hists = [[1, 2, 1, 2], [3, 4, 3, 4], [5, 6, 5, 6]]
     step(drafter, ["a", "b", "c"], hists, [[2], [4], [6]])
     step(drafter, ["b", "c"], [hists[1] + [3], hists[2] + [5]], [[3], [5]])  # "a" preempted
-    assert list(drafter._preempted) == ["a"] and "a" not in drafter._seen and completed == []
+    assert drafter.requests.holding("preempted") == ["a"]
+    assert "a" not in drafter.requests.running() and completed == []
     drafter.finish_request("a")
-    assert completed == ["a"] and not drafter._preempted and "a" not in drafter._salts
+    assert completed == ["a"] and "a" not in drafter.requests
     drafter.finish_request("b")
-    assert completed == ["a", "b"] and "b" not in drafter._seen
+    assert completed == ["a", "b"] and "b" not in drafter.requests
     _propose_raising_for(drafter, monkeypatch, "c")
     step(drafter, ["c"], [hists[2] + [5, 6]], [[6]])            # "c" faults, decodes on
-    assert "c" in drafter.containment and "c" not in drafter._seen
+    assert "c" in drafter.containment and "c" not in drafter.requests.running()
     drafter.finish_request("c")
-    assert completed == ["a", "b", "c"] and not drafter._seen
-    assert not {"a", "b", "c"} & set(drafter._salts)
+    assert completed == ["a", "b", "c"] and not drafter.requests
     assert drafter.stats()["active_requests"] == 0

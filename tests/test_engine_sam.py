@@ -60,39 +60,6 @@ def test_sam_metrics_and_tau_on_repetitive_categories(get_llm, spec_bench_prompt
     assert b["steps"] > 0 and 0 < b["nodes_kept"] <= b["nodes_proposed"], b
 
 
-def _set_batch_budget(worker, mode):
-    worker.model_runner.drafter.plugin["batch_budget"] = mode
-
-
-def test_sam_paces_a_fixed_batch(get_llm, spec_bench_prompts):
-    """One chat call is a fixed batch: the scheduler's queue length reaches
-    the worker (the Scheduler.schedule patch, in the engine core's process)
-    as 0, so the experimental "pace" budget lets only the rows that must
-    draft to finish with the batch draft (budget.pace_batch); outputs stay
-    plain decoding's, and those rows' drafts are still accepted."""
-    from helpers import assert_same_tokens
-
-    # categories no other test sends this engine (its global store holds
-    # their answers: with every row drafting at 7+ tokens a step, every row
-    # must draft to keep up, and none is paced off)
-    prompts = [r["prompt"] for r in pick(spec_bench_prompts, ["coding", "extraction"], 3)]
-    plain = chat(get_llm("plain"), prompts, max_tokens=64)
-    llm = get_llm("sam", SAM)
-    before = llm.llm_engine.collective_rpc(_drafter_stats)[0]
-    llm.llm_engine.collective_rpc(_set_batch_budget, args=("pace",))
-    try:
-        tau, delta, outs = tau_of(llm, lambda: chat(llm, prompts, max_tokens=64))
-    finally:
-        llm.llm_engine.collective_rpc(_set_batch_budget, args=("auto",))
-    after = llm.llm_engine.collective_rpc(_drafter_stats)[0]
-    assert_same_tokens(plain, outs)
-    assert after["pacing"]["waiting"] == 0, after["pacing"]
-    b0, b1 = before["batch_budget"], after["batch_budget"]
-    assert b1["paced_steps"] > b0["paced_steps"], (b0, b1, after["pacing"])
-    assert b1["nodes_paced_off"] > b0["nodes_paced_off"], (b0, b1)
-    assert delta["accepted"] >= 5, delta
-
-
 def test_sam_requests_state_is_freed(get_llm, spec_bench_prompts):
     """After requests finish, the drafter holds no per-request state."""
     llm = get_llm("sam", SAM)

@@ -123,9 +123,10 @@ def test_a_faulting_hook_costs_only_its_requests_drafts(method, hook, monkeypatc
     assert all(s["b"] == [] for s in after), after
     assert keeps_drafting(after), after
     assert fault.calls_after == 0          # never fed again
-    assert "b" not in d._seen and d.stats()["faults"]["requests_without_drafts"] == 1
+    assert "b" not in d.requests.running()
+    assert d.stats()["faults"]["requests_without_drafts"] == 1
     # while it decodes without drafts, no per-request drafter state is kept for it
-    assert "b" not in d.paces.rows and "b" not in d.paces.allowed and "b" not in d._remaining
+    assert "b" not in d.requests.holding("seen")
     assert_one_request_fault(d, caplog, hook)
     # it finishes: forgotten, the proposer not called for it
     d.finish_request("b")
@@ -178,7 +179,7 @@ def test_a_faulting_complete_leaves_the_engine_and_others_alone(method, monkeypa
     assert_one_request_fault(d, caplog, "complete")
     # b finished: its state is freed and it is not remembered as faulted
     assert d.stats()["faults"]["requests_without_drafts"] == 0
-    assert "b" not in d._seen and d.proposer.active_requests() == 2
+    assert "b" not in d.requests.running() and d.proposer.active_requests() == 2
 
 
 @pytest.mark.parametrize("method", list(METHODS))

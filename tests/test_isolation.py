@@ -241,9 +241,9 @@ def test_a_request_aborted_while_preempted_leaves_nothing_behind(patch_calls):
     step(d, ["b"], [[7, 8, 9]], [[9]])          # "a" left the batch: preempted
     d.finish_request("a")                        # then aborted
     assert "a" not in d.proposer._prompt_len
-    assert "a" not in d._preempted and "a" not in d._salts
+    assert "a" not in d.requests
     d.finish_request("b")
-    assert not d.proposer._prompt_len and not d._preempted
+    assert not d.proposer._prompt_len and not d.requests
 
 
 def test_the_adapters_prompt_length_is_exact_over_a_preemption():

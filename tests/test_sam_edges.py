@@ -52,7 +52,7 @@ def test_constructor_defaults_are_the_options_defaults():
                         if name not in ("self", "num_speculative_tokens")}
 
     def built(p: SamProposer) -> tuple:
-        return (p.continuation, p.min_match_len, p.min_accept_prob, p.min_token_prob,
+        return (p.continuation, p.min_match_len, p.min_accept_prob,
                 p.spec_factor, p.corpora, p.corpus_bias, p.stores.max_tokens,
                 p.stores.max_partitions, p.global_prompts, p._stop is None)
 

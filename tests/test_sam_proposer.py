@@ -21,7 +21,7 @@ CTX = [1, 2, 3, 4, 5, 1, 2, 3]  # match [1, 2, 3] (length 3), then 4 5 1 2 3 fol
 # without the learned cut: drafts depend on the context alone.
 FIRST = {"sam_continuation": "first", "sam_min_accept_prob": 0.0}
 DEFAULTS = {"sam_continuation": "frequent", "sam_min_match_len": 1,
-            "sam_min_accept_prob": None, "sam_min_token_prob": 0.0, "sam_spec_factor": 4.0,
+            "sam_min_accept_prob": None, "sam_spec_factor": 4.0,
             "sam_corpus": "", "sam_corpus_bias": None, "sam_global_tokens": 500_000, "sam_global_bytes": 0,
             "sam_global_prompts": False, "sam_global_tenants": 16,
             "sam_stop": "table", "sam_stop_file": ""}
@@ -81,7 +81,6 @@ def test_is_a_registered_proposer():
     assert prop.continuation == "frequent"
     assert prop.min_match_len == 1
     assert prop.min_accept_prob is None   # draft lengths from the verify cost
-    assert prop.min_token_prob == 0.0
     assert prop.spec_factor == 4.0
     assert isinstance(prop.acceptance, AcceptanceByMatchLength)
     assert prop.acceptance.tried.shape == (MAX_BUCKET + 1, 4)
@@ -151,32 +150,20 @@ FREQ_CTX = [1, 2, 1, 3, 4, 6, 1, 3, 4, 7, 1, 3, 4, 8, 1]
 
 def test_frequent_takes_the_most_frequent_continuation():
     assert SuffixAutomaton(FREQ_CTX).match_len == 1
-    prop = SamProposer(8, sam_min_token_prob=0.34)
+    prop = SamProposer(8)
     prop.start("r", FREQ_CTX)
     d = prop.propose("r", 8)
-    assert d.tokens.tolist() == [3, 4]  # then no token has a share >= 0.34
+    assert d.tokens.tolist()[:2] == [3, 4]  # shares 3/4, 1, then a tie (see below)
     # the scores are the acceptance table's estimates (the prior, 1/2, while fresh)
-    assert d.scores.tolist() == [0.5, 0.5]
+    assert d.scores.tolist() == [0.5] * len(d)
     assert draft_of(SamProposer(1), FREQ_CTX) == [3]
     # the first occurrence of [1] was followed by 2: that is what "first" drafts
     assert draft_of(SamProposer(8, **FIRST), FREQ_CTX) == [2, 1, 3, 4]  # ceil(4 * 1)
 
 
-@pytest.mark.parametrize("min_token_prob, expected", [
-    (0.34, [3, 4]), (0.75, [3, 4]),  # shares 3/4, 1, then 1/3
-    (0.76, []), (1.0, []),
-])
-def test_min_token_prob(min_token_prob, expected):
-    assert draft_of(SamProposer(8, sam_min_token_prob=min_token_prob), FREQ_CTX) == expected
-    # "first" ignores it
-    assert draft_of(SamProposer(8, sam_min_token_prob=min_token_prob, **FIRST),
-                    FREQ_CTX) == [2, 1, 3, 4]
-
-
-@pytest.mark.parametrize("min_token_prob", [0.0, 0.3, 1 / 3])
-def test_min_token_prob_at_a_tie(min_token_prob):
+def test_frequent_at_a_tie():
     # at [1, 3, 4] the three continuations tie (1/3 each): any of them may be taken
-    draft = draft_of(SamProposer(8, sam_min_token_prob=min_token_prob), FREQ_CTX)
+    draft = draft_of(SamProposer(8), FREQ_CTX)
     assert draft[:2] == [3, 4] and draft[2] in (6, 7, 8)
     # after [1, 3, 4, x] the walk is forced; for x = 8 it reaches the end of the
     # text ([1, 3, 4, 8, 1]) and falls back to [1]: 3 (3/4), 4, and a tie again
@@ -284,9 +271,9 @@ def test_draft_properties_first(ctx, k, budget, min_match, factor):
 
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.integers(0, 3), max_size=60), st.integers(1, 12), st.integers(0, 14),
-       st.integers(1, 4), st.sampled_from([0.0, 0.3, 0.5, 0.9]))
-def test_draft_properties_frequent(ctx, k, budget, min_match, min_token_prob):
-    prop = SamProposer(k, sam_min_match_len=min_match, sam_min_token_prob=min_token_prob)
+       st.integers(1, 4))
+def test_draft_properties_frequent(ctx, k, budget, min_match):
+    prop = SamProposer(k, sam_min_match_len=min_match)
     prop.start("r", ctx)
     d = prop.propose("r", budget)
     draft = d.tokens.tolist()
@@ -295,7 +282,7 @@ def test_draft_properties_frequent(ctx, k, budget, min_match, min_token_prob):
         assert draft == []
         return
     # a fresh acceptance table (1/2 everywhere) cuts nothing at the default 0.15
-    expected, _ = sa.frequent_continuation(min(k, budget), min_token_prob, min_match)
+    expected, _ = sa.frequent_continuation(min(k, budget), 0.0, min_match)
     assert draft == expected
     assert len(draft) <= min(k, budget)
     if draft:
@@ -309,9 +296,8 @@ def test_draft_properties_frequent(ctx, k, budget, min_match, min_token_prob):
                    for length in range(min_match, len(walked) + 1)
                    for e in range(length - 1, n - 1)), (ctx, walked, t)
         walked = walked + [t]
-    # a context of at least min_match always continues: min_token_prob 0 drafts all
-    if min_token_prob == 0.0:
-        assert len(draft) == min(k, budget)
+    # a context of at least min_match always continues: it drafts all
+    assert len(draft) == min(k, budget)
 
 
 @settings(max_examples=80, deadline=None)
@@ -608,7 +594,7 @@ WRONG_OUT = [tok for i in range(1, 80) for tok in (A, 1000 + i)]
 
 
 @pytest.mark.parametrize("opts", [{"sam_continuation": "first", "sam_min_accept_prob": 0.15},
-                                  {"sam_continuation": "frequent", "sam_min_token_prob": 0.0,
+                                  {"sam_continuation": "frequent",
                                    "sam_min_accept_prob": 0.15}],
                          ids=["first", "frequent"])
 def test_learned_cut_shrinks_drafts_that_are_always_wrong(opts):
@@ -641,7 +627,7 @@ def test_learned_cut_shrinks_drafts_that_are_always_wrong(opts):
 
 
 @pytest.mark.parametrize("opts", [{"sam_continuation": "first"},
-                                  {"sam_continuation": "frequent", "sam_min_token_prob": 0.0}],
+                                  {"sam_continuation": "frequent"}],
                          ids=["first", "frequent"])
 def test_without_the_learned_cut_wrong_drafts_stay(opts):
     # the control for the test above: the same workload with sam_min_accept_prob=0

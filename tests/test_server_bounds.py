@@ -52,7 +52,7 @@ def test_structures_stay_within_their_bounds(model_path, tmp_path):
     print("sizes:", sizes, "store:", {k: v for k, v in last["proposer"]["sam"].items()
                                       if k.startswith("global_store")})
     # per request: freed once no request runs (finished, aborted or preempted)
-    for key in ("drafter_requests", "drafter_trees", "drafter_remaining", "drafter_paces",
+    for key in ("drafter_requests", "drafter_trees",
                 "drafter_salts", "drafter_preempted", "sam_output_ends",
                 "backoff_requests", "request_caps", "calibration_pending", "sam_requests",
                 "sam_pending", "sam_choices", "sam_corpus_matches", "sam_global_matches",

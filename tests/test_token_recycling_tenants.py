@@ -89,7 +89,7 @@ def test_concurrent_requests_keep_at_most_tr_tenants_matrices_alive():
         for i in range(n):
             last = prop._last[f"r{i}"]
             prop.observe(f"r{i}", [3000 + step], topk([last], [[3000 + step, 5, 6, 7]]))
-            assert alive(made) <= 8
+        assert alive(made) <= 8        # once a step: gc.collect is slow on a big heap
     assert alive(made) == 8
     sizes = prop.structure_sizes()
     assert sizes["tr_matrices"] == 8 and sizes["tr_private_matrices"] == n - 8

@@ -26,8 +26,8 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import MutableMapping
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
@@ -316,10 +316,14 @@ class AcceptanceCalibration:
     # (the oldest dropped beyond: a request the drafter never saw leave)
     MAX_PENDING = 1 << 16
 
-    def __init__(self) -> None:
+    def __init__(self, pending: MutableMapping[str, float] | None = None) -> None:
+        """``pending``: where the drafts awaiting verification are kept (the
+        drafter's request records, which bound them; default: a dict of at
+        most ``MAX_PENDING``)."""
         self.accepted = 0.0
         self.expected = 0.0
-        self.pending: dict[str, float] = {}
+        self.bounded = pending is None
+        self.pending: MutableMapping[str, float] = {} if pending is None else pending
         self.settled = 0
 
     @property
@@ -330,7 +334,7 @@ class AcceptanceCalibration:
     def expect(self, req_id: str, expected_tokens: float) -> None:
         """A request's kept draft is expected to get this many tokens accepted."""
         self.pending.pop(req_id, None)
-        if len(self.pending) >= self.MAX_PENDING:
+        if self.bounded and len(self.pending) >= self.MAX_PENDING:
             del self.pending[next(iter(self.pending))]
         self.pending[req_id] = float(expected_tokens)
 
@@ -381,8 +385,7 @@ def allocate_batch(drafts: list, a: float, b: float, rows: int, scale: float = 1
 
 def allocate_batch_exploring(drafts: list, a: float, b: float, rows: int,
                              scale: float = 1.0, explore: int = 0,
-                             margin: float = 0.5,
-                             eligible: np.ndarray | None = None) -> tuple[list, int]:
+                             margin: float = 0.5) -> tuple[list, int]:
     """``allocate_batch``, then up to ``explore`` more nodes that do not pay
     for themselves on their current estimates, the most likely first, each
     with an estimate (before ``scale``) above ``margin`` times the value it
@@ -396,19 +399,13 @@ def allocate_batch_exploring(drafts: list, a: float, b: float, rows: int,
     reads the proposer's own estimate, not the calibrated one: calibration
     learns only from verified drafts too, so a ratio that fell to its floor
     on a few failed drafts must not stop the exploration that lets it
-    recover.
-
-    ``eligible`` (a mask over rows; ``pace_batch``): only those rows' nodes
-    may be kept, and only those rows' tokens count as the step's output (the
-    others' one token each still counts in the step's cost)."""
+    recover."""
     from .draft import Draft
 
     n_tokens = float(rows)
-    expected = float(rows) if eligible is None else float(np.count_nonzero(eligible))
+    expected = float(rows)
     cands: list[tuple[float, int, int]] = []
     for i, d in enumerate(drafts):
-        if eligible is not None and not eligible[i]:
-            continue
         if d.scores is None:
             n_tokens += len(d)
             continue
@@ -442,128 +439,6 @@ def allocate_batch_exploring(drafts: list, a: float, b: float, rows: int,
     return out, explored
 
 
-def must_draft(remaining: Sequence[int | None], pace: Sequence[float],
-               margin: float) -> np.ndarray | None:
-    """The rows whose drafts can shorten a fixed batch. Row i, with
-    ``remaining[i]`` tokens still to generate (None: not decoding this step)
-    at ``pace[i]`` tokens a step while it drafts (>= 1), would finish in
-    ``remaining / pace`` steps; the batch in the largest of these, M. A row
-    that stops drafting finishes in ``remaining`` steps, which is no later
-    than the batch when ``remaining <= M``: it need not draft. Rows within
-    ``margin`` tokens of that (``remaining > M - margin``) draft, so pace
-    estimates that run low do not stretch the batch, and so does the row
-    that finishes last. None when no row decodes."""
-    rows = [(i, r, max(float(p), 1.0)) for i, (r, p) in enumerate(zip(remaining, pace))
-            if r is not None]
-    if not rows:
-        return None
-    finish = max(r / p for _, r, p in rows)
-    out = np.zeros(len(remaining), dtype=bool)
-    for i, r, p in rows:
-        out[i] = r + margin > finish or r / p >= finish
-    return out
-
-
-def pace_batch(drafts: list, remaining: Sequence[int | None], pace: Sequence[float],
-               a: float, b: float, rows: int, scale: float = 1.0, explore: int = 0,
-               margin: float = 0.0) -> tuple[list, int, int, np.ndarray | None]:
-    """Batch budgets when nothing is waiting to take a finished row's slot
-    (a fixed batch, such as one ``LLM.generate`` call; the tail of any
-    offline run): the batch then takes as many steps as its slowest row, and
-    an accepted token on a row that would finish in time without it saves
-    that row's one token in one later step, about what verifying one draft
-    token costs, so it does not pay. Only the rows ``must_draft`` names draft,
-    their nodes chosen as in ``allocate_batch`` with only their tokens
-    counted as output (a lone slowest row drafts about as much as a batch of
-    one would). Returns (drafts, nodes explored, nodes dropped from the
-    other rows, the rows that may draft)."""
-    from .draft import Draft
-
-    eligible = must_draft(remaining, pace, margin)
-    if eligible is None:
-        return drafts, 0, 0, None
-    out, explored = allocate_batch_exploring(drafts, a, b, rows, scale, explore,
-                                             eligible=eligible)
-    dropped = 0
-    for i, d in enumerate(drafts):
-        if not eligible[i] and len(d):
-            dropped += len(d)
-            out[i] = Draft.empty()
-    return out, explored, dropped, eligible
-
-
-class RowPaces:
-    """Each decoding request's tokens committed per step in the steps it was
-    allowed to draft (``pace_batch``'s ``pace``; a row with nothing to draft
-    counts, at one token a step: it cannot be sped up), exponentially
-    weighted; a request not yet measured gets the weighted mean of all
-    requests' (starting at ``PRIOR``, optimistic, so an unmeasured row is
-    not thought slower than it is). One entry per live request (``forget``
-    when it leaves)."""
-
-    DECAY = 0.75
-    OVERALL_DECAY = 0.98
-    PRIOR = 2.0
-
-    def __init__(self) -> None:
-        self.rows: dict[str, float] = {}
-        self.allowed: set[str] = set()
-        self.overall = self.PRIOR
-
-    def pace(self, req_id: str) -> float:
-        return self.rows.get(req_id, self.overall)
-
-    def committed(self, req_id: str, tokens: int) -> None:
-        """The request's last step committed ``tokens``: counted when it was
-        allowed to draft in that step."""
-        if req_id not in self.allowed:
-            return
-        self.allowed.discard(req_id)
-        self.rows[req_id] = self.pace(req_id) * self.DECAY + (1 - self.DECAY) * tokens
-        self.overall = self.overall * self.OVERALL_DECAY + (1 - self.OVERALL_DECAY) * tokens
-
-    def allow(self, req_id: str, allowed: bool) -> None:
-        """Whether the request may draft this step (not paced off, not
-        disabled): its next ``committed`` counts then."""
-        if allowed:
-            self.allowed.add(req_id)
-        else:
-            self.allowed.discard(req_id)
-
-    def forget(self, req_id: str) -> None:
-        self.rows.pop(req_id, None)
-        self.allowed.discard(req_id)
-
-    def __len__(self) -> int:
-        return len(self.rows) + len(self.allowed)
-
-
-class LengthEndings:
-    """How often finished requests ran to their ``max_tokens``: pacing
-    (``pace_batch``) assumes rows run to their bound, which holds in offline
-    runs with a token budget and not in chat serving, where requests end at
-    an end-of-sequence token long before theirs. An exponentially weighted
-    share of finished requests, starting at 1 (a fresh engine's first fixed
-    batch is paced); ``binding`` while at least half of recent requests ran
-    to their bound (with ``DECAY`` 0.75, three requests in a row ending
-    early turn pacing off; after a long run of early endings, three at
-    their bound turn it back on)."""
-
-    DECAY = 0.75
-
-    def __init__(self) -> None:
-        self.share = 1.0
-        self.finished = 0
-
-    def record(self, ran_to_bound: bool) -> None:
-        self.share = self.share * self.DECAY + (1.0 - self.DECAY) * float(ran_to_bound)
-        self.finished += 1
-
-    @property
-    def binding(self) -> bool:
-        return self.share >= 0.5
-
-
 def subset(draft, keep: np.ndarray):
     """The nodes of ``draft`` where ``keep`` (an ancestor-closed mask), with
     parents renumbered."""
@@ -585,7 +460,7 @@ def subset(draft, keep: np.ndarray):
 #: Plugin-wide keys of ``--speculative-config`` for batch-aware budgets.
 BATCH_BUDGET_KEY = "batch_budget"
 DISABLE_BY_BATCH_SIZE_KEY = "disable_by_batch_size"
-BATCH_BUDGET_MODES = ("auto", "pace", "off")
+BATCH_BUDGET_MODES = ("auto", "off")
 GOODPUT_KEY = "goodput"
 GOODPUT_MODES = ("on", "off")
 
@@ -595,12 +470,9 @@ def pop_batch_options(spec: dict) -> dict:
 
     * ``"batch_budget"``: ``"auto"`` (default: when two or more requests
       decode, draft nodes are shared out across the batch by ``allocate_batch``
-      from the measured step cost), ``"pace"`` (experimental: as "auto", but
-      when nothing waits in the scheduler's queue and recent requests ran to
-      their ``max_tokens``, only the rows that must draft to finish with the
-      batch draft: ``pace_batch``; measured no faster, see
-      docs/architecture.md) or ``"off"`` (every request keeps its
-      proposer's draft);
+      from the measured step cost) or ``"off"`` (every request keeps its
+      proposer's draft; ``"pace"``, pacing fixed batches, was removed on
+      2026-12-07: measured no faster);
     * ``"disable_by_batch_size"``: no speculation at all in steps with at
       least this many decoding requests (default: none; the automatic budget
       already turns speculation off when it stops paying);
@@ -613,7 +485,9 @@ def pop_batch_options(spec: dict) -> dict:
     if mode not in BATCH_BUDGET_MODES:
         raise SpecPlugConfigError(
             f"speculative_config[{BATCH_BUDGET_KEY!r}] must be one of "
-            f"{', '.join(map(repr, BATCH_BUDGET_MODES))}, got {mode!r}")
+            f"{', '.join(map(repr, BATCH_BUDGET_MODES))}, got {mode!r}"
+            + (" (\"pace\" was removed on 2026-12-07: measured no faster)"
+               if mode == "pace" else ""))
     limit = spec.pop(DISABLE_BY_BATCH_SIZE_KEY, None)
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)
                               or limit < 1):

@@ -10,16 +10,19 @@ import sys
 import time
 from pathlib import Path
 
-# The demo (`specplug bench --quick`): 3 prompts whose answers copy from their
-# context (Spec-Bench's first summarization, extraction and qa prompts), 64
-# tokens, engines sized for them (the longest prompt is ~740 tokens; a 1 GB KV
-# cache holds ~23k tokens). Its time is mostly the four engine processes, one
-# per method: 53-61 s each on this 2-core machine (230 s in all, load 1.4-2.0),
-# of which 10-16 s were the measured requests; the rest is vLLM's three
-# processes starting (imports) and shutting down.
-QUICK = {"categories": ["summarization", "extraction", "qa"], "per_category": 1,
-         "max_tokens": 64, "engine": {"max_model_len": 2048}, "kv_cache_gb": "1"}
-
+# The demo (`specplug demo`, `specplug bench --quick`): each method where the
+# README's "Which method for which workload" makes a claim
+# (``bench.workloads.DEMO_WORKLOADS``): two open-ended Spec-Bench questions
+# (chat), four requests of one extraction template, four turns of one agent
+# loop; 48 greedy tokens; plain, vLLM's `suffix`, `sam` and `sam_tr`, one
+# engine each running every workload in turn; a verdict line per workload.
+# Its time is mostly the four engine processes (vLLM's three processes
+# starting and stopping: about 45 s each on this 2-core machine).
+QUICK = {"methods": "plain,suffix,sam,sam_tr", "max_tokens": 48,
+         "engine": {"max_model_len": 2048}, "kv_cache_gb": "1",
+         # README.md's recommendation per demo workload (None: no method is
+         # expected to gain much, none of ours may be slower than plain)
+         "recommends": {"chat": None, "extraction": "sam", "agent loop": "sam"}}
 # `specplug bench --preset readme`: the README's methods table from one run.
 # Spec-Bench's odd half (the half not used for tuning), one prompt per
 # category (13), 128 greedy tokens, batch size 1, one engine per method; the
@@ -47,26 +50,32 @@ def cmd_bench(args: argparse.Namespace) -> int:
         _apply_readme_preset(args)
     elif args.readme is not None:
         raise SystemExit("--readme: only with --preset readme")
-    args.methods = args.methods or "plain,ngram,suffix,sam"
     per_cat, cats, max_tokens = args.per_category, args.categories, args.max_tokens
     engine = None
+    demo = (args.quick and args.workload == "spec_bench"
+            and not (args.prompts or per_cat or cats or args.half or args.limit))
     if args.quick:
-        if args.workload == "spec_bench":
-            per_cat = per_cat or QUICK["per_category"]
-            cats = cats or QUICK["categories"]
         max_tokens = max_tokens or QUICK["max_tokens"]
         engine = QUICK["engine"]
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", QUICK["kv_cache_gb"])
+    args.methods = args.methods or (QUICK["methods"] if demo else "plain,ngram,suffix,sam")
     max_tokens = max_tokens or 256
-    prompts = _bench_prompts(args, per_cat, cats)
+    if demo:
+        from .bench.workloads import demo_rows
+
+        prompts = demo_rows()
+    else:
+        prompts = _bench_prompts(args, per_cat, cats)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    run = dict(max_tokens=max_tokens, temperature=args.temperature, out_dir=Path(args.out),
+               overrides=parse_overrides(args.speculative_config), repeat=args.repeat,
+               batch=args.batch, quality=args.quality, engine=engine,
+               eagle_head=args.eagle_head, batch_size=args.batch_size,
+               workload="demo" if demo else args.workload)
     try:
-        res = run_bench(model, methods, prompts, max_tokens=max_tokens,
-                        temperature=args.temperature, out_dir=Path(args.out),
-                        overrides=parse_overrides(args.speculative_config),
-                        repeat=args.repeat, batch=args.batch, quality=args.quality, engine=engine,
-                        eagle_head=args.eagle_head, reuse_raw=args.reuse_raw,
-                        batch_size=args.batch_size, workload=args.workload)
+        res = run_bench(model, methods, prompts, reuse_raw=args.reuse_raw, **run)
+        if demo:
+            res = _rerun_flagged(model, methods, prompts, res, run)
     except BenchError as e:
         raise SystemExit(f"bench: {e}")
     md = report.write(res, Path(args.out), with_plots=not args.no_plots)
@@ -80,6 +89,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print("Verdict:")
     for line in report.verdicts(res):
         print(f"* {line}")
+    if demo:
+        print("By workload (README.md, \"Which method for which workload\"):")
+        for line in report.workload_verdicts(res, QUICK["recommends"]):
+            print(f"* {line}")
     print()
     ms = res["methods"].values()
     starts = sum(e["engine_start_seconds"] for e in ms)
@@ -94,6 +107,26 @@ def cmd_bench(args: argparse.Namespace) -> int:
               f"top of the report: this machine was busy during the run; rerun when it is "
               f"quiet before quoting any speedup.", file=sys.stderr)
     return 0
+
+
+def _rerun_flagged(model: str, methods: list[str], prompts: list[dict], res: dict,
+                   run: dict) -> dict:
+    """The demo: methods flagged as implausible (``bench.plausibility``) run
+    once more, each in a fresh engine (the others are read back from their
+    raw results); what stays flagged is reported as flagged."""
+    from .bench.plausibility import check
+    from .bench.run import run_bench
+
+    flagged = sorted({f.method for f in check(res)})
+    if not flagged:
+        return res
+    print(f"Implausible measurement(s) for {', '.join(flagged)}: running "
+          f"{'it' if len(flagged) == 1 else 'them'} once more.", file=sys.stderr)
+    for m in flagged:
+        (run["out_dir"] / "raw" / f"{m}.json").unlink(missing_ok=True)
+    res = run_bench(model, methods, prompts, reuse_raw=True, **run)
+    res["notes"].append(f"run again once, after an implausible measurement: {', '.join(flagged)}")
+    return res
 
 
 def _apply_readme_preset(args: argparse.Namespace) -> None:
@@ -448,7 +481,10 @@ def build_parser() -> argparse.ArgumentParser:
                            help="also run the prompts in batches of N (sessions: every "
                                 "session's turn t, in batches of N, before turn t+1)")
         sp.add_argument("--quick", action="store_true", default=quick,
-                        help="a short run (3 prompts, 64 tokens, small engines)")
+                        help="the demo: plain, suffix, sam and sam_tr on a few requests of "
+                             "chat, one extraction template and an agent loop (48 tokens, small "
+                             "engines), a verdict per workload; with --workload or --prompts, "
+                             "a short run of those")
         sp.add_argument("--out", default="bench_results")
         sp.add_argument("--no-plots", action="store_true")
         sp.add_argument("--preset", choices=("readme",), default=None,
@@ -475,7 +511,8 @@ def build_parser() -> argparse.ArgumentParser:
                "suffix, a plot, every output checked against plain; `specplug bench matrix "
                "--help`) and `specplug bench soak` (a server's memory under long mixed "
                "traffic; `specplug bench soak --help`)."), quick=False)
-    bench_args(sub.add_parser("demo", help="a quick bench on the embedded model"), quick=True)
+    bench_args(sub.add_parser("demo", help="each method where the README recommends it, on "
+                                           "the embedded model (about 4 minutes)"), quick=True)
     sp = sub.add_parser("prepare-model", help="convert the embedded model; print its folder")
     sp.set_defaults(func=cmd_prepare_model)
     sp = sub.add_parser("build-tr", help="warm-start matrix for token_recycling")

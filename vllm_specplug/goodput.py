@@ -27,6 +27,7 @@ when the request leaves.
 from __future__ import annotations
 
 import math
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 
 #: Draft scales, from all the budgets chose down to no drafts.
@@ -169,9 +170,12 @@ class RequestBackoff:
     """Per request: stop drafting after repeated failures, probe cheaply
     later (module doc). One record per running request."""
 
-    def __init__(self, enabled: bool = True) -> None:
+    def __init__(self, enabled: bool = True,
+                 rows: MutableMapping[str, _RowRecord] | None = None) -> None:
+        """``rows``: where the per-request records are kept (the drafter's
+        request records; default: a dict)."""
         self.enabled = enabled
-        self._rows: dict[str, _RowRecord] = {}
+        self._rows: MutableMapping[str, _RowRecord] = {} if rows is None else rows
         self.mutes = 0
         self.restored = 0
         self.muted_steps = 0

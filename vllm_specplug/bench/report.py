@@ -147,6 +147,51 @@ def verdicts(res: dict, baseline: str = "suffix") -> list[str]:
     return out
 
 
+#: Our methods within this share of the fastest count as "on par" in a
+#: workload verdict (run-to-run spread of one run on this machine: ~2-5%).
+ON_PAR = 0.02
+
+
+def workload_verdicts(res: dict, recommends: dict[str, str | None]) -> list[str]:
+    """One line per workload (a category of the run, ``recommends``: the
+    method README.md recommends for it, None: no method is expected to gain
+    much): every method's tokens/s and speedup there, then whether the run
+    agrees with the README: the recommended method is the fastest or within
+    ``ON_PAR`` of it; with no recommendation, none of ours is slower than
+    plain decoding by more than ``ON_PAR``. Flagged methods are said so."""
+    methods = res["methods"]
+    flagged = {f.method for f in check(res)}
+    ours = [m for m in methods if m not in ("plain", "ngram", "suffix")]
+    lines = []
+    for cat, rec in recommends.items():
+        tps = {m: e["categories"][cat]["tokens_per_second"] for m, e in methods.items()
+               if cat in e["categories"]}
+        if "plain" not in tps or not tps["plain"]:
+            continue
+        figures = ", ".join(f"`{m}` {tps[m] / tps['plain']:.2f}x" for m in tps if m != "plain")
+        best = max(tps, key=tps.get)
+        if rec is None:
+            slow = [m for m in ours if m in tps and tps[m] < (1 - ON_PAR) * tps["plain"]]
+            verdict = ("as expected, drafts from text gain little here and none of ours is "
+                       "slower than plain decoding" if not slow else
+                       f"**not as expected**: {', '.join(f'`{m}`' for m in slow)} slower than "
+                       f"plain decoding")
+        elif rec not in tps:
+            verdict = f"`{rec}` (recommended) was not run"
+        elif best == rec:
+            verdict = f"the recommended `{rec}` is the fastest"
+        elif tps[rec] >= (1 - ON_PAR) * tps[best]:
+            verdict = f"the recommended `{rec}` is on par with the fastest, `{best}`"
+        else:
+            verdict = (f"**not as the README says**: `{best}` is "
+                       f"{(tps[best] / tps[rec] - 1) * 100:.0f}% faster than the recommended "
+                       f"`{rec}`")
+        caveat = ("; flagged as implausible (" + ", ".join(sorted(flagged & set(tps))) +
+                  "): rerun on a quiet machine" if flagged & set(tps) else "")
+        lines.append(f"{cat} ({figures} plain decoding's tokens/s): {verdict}{caveat}.")
+    return lines
+
+
 def plots(res: dict, out_dir: Path) -> list[Path]:
     import matplotlib
 

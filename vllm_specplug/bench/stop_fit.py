@@ -1,5 +1,5 @@
 """Fit ``sam``'s learned stopping rule (``proposers.stop_rule``) from
-recorded greedy outputs, and replay it (``specplug fit-stop``).
+recorded greedy outputs (``specplug fit-stop``).
 
 Recording replay: ``sam`` with ``sam_stop: "learned"`` drives greedy
 decoding of the records as ``bench.simulate.replay`` does (batch size 1,
@@ -59,27 +59,23 @@ def common_prefix(tokens: Sequence[int], out: Sequence[int], pos: int) -> int:
     return a
 
 
-def drive(sam, rows: Sequence[dict], step_of, on_request=None) -> None:
+def drive(sam, rows: Sequence[dict], step_of) -> None:
     """Greedy replay of ``rows`` through ``sam`` (as ``simulate.replay``):
-    ``step_of(req_id, out, pos)`` proposes a step's draft; each request's
-    record, output and step count go to ``on_request``."""
+    ``step_of(req_id, out, pos)`` proposes a step's draft."""
     for i, r in enumerate(rows):
         prompt, out = list(r["prompt_ids"]), list(r["output_ids"])
         if not out:
             continue
         rid = f"r{i}"
         sam.start(rid, prompt + out[:1])   # the prefill step made out[0]
-        pos, steps = 1, 1
+        pos = 1
         while pos < len(out):
             draft = step_of(rid, out, pos)
             n = min(accepted_length(draft, out, pos) + 1, len(out) - pos)
             sam.observe(rid, out[pos:pos + n])
             pos += n
-            steps += 1
         sam.complete(rid)
         sam.finish(rid)
-        if on_request is not None:
-            on_request(r, out, steps)
 
 
 def collect(rows: Sequence[dict], model: StopModel, relative_token_cost: float
@@ -164,81 +160,6 @@ def fit(row_sets: dict[str, Sequence[dict]], relative_token_costs: Sequence[floa
         model = StopModel(coef)
         log(f"round {rnd}: fitted {json.dumps(summary)}")
     return model, summary
-
-
-# ------------------------------------------------------------------ replay
-
-def replay_speedup(rows: Sequence[dict], line, stop: str, model_path: str | None = None,
-                   **opts) -> dict:
-    """Greedy replay (as ``bench.simulate.replay_many``: batch size 1, in
-    order, one proposer) of ``sam`` (budget 32) with the given stop rule:
-    tau, nodes per step and speedup on ``line``, per category too, and where
-    the loss against an oracle of the same sources sits, per step:
-    rejected nodes verified, tokens cut too early (the chosen source's
-    uncut draft would have had them accepted) and tokens lost to the
-    source choice (another source's uncut draft accepted deeper)."""
-    from ..proposers.sam import SamProposer
-
-    sam_opts = dict(opts)
-    if stop == "learned":
-        sam_opts.update(sam_stop="learned", sam_stop_file=model_path or "")
-    sam = SamProposer(BUDGET, **sam_opts)
-    sam.relative_token_cost = line.relative_token_cost
-    tot = {"generated": 0, "steps": 0, "accepted": 0, "drafted": 0, "early": 0, "source": 0}
-    by_cat: dict[str, list[int]] = {}
-    seconds = [0.0]
-
-    def step_of(rid: str, out: list[int], pos: int):
-        t = time.perf_counter()
-        draft = sam.propose(rid, BUDGET)
-        seconds[0] += time.perf_counter() - t
-        a = accepted_length(draft, out, pos)
-        full = {}
-        for source in ("dynamic", "global", "static"):
-            if (source == "global" and sam.stores is None) or (
-                    source == "static" and not sam.corpora):
-                continue
-            length, where = sam._match(rid, source)
-            if length >= sam.min_match_len:
-                full[source] = common_prefix(
-                    sam._draft_tokens(rid, source, length, where, BUDGET), out, pos)
-        if len(draft):
-            chosen = sam._pending[rid][0]
-            tot["drafted"] += len(draft)
-            if a == len(draft):
-                tot["early"] += max(full.get(chosen, a) - a, 0)
-            best = max(full.values(), default=0)
-            tot["source"] += max(best - max(full.get(chosen, a), a), 0)
-        else:
-            tot["early"] += max(full.values(), default=0)
-        tot["accepted"] += min(a, len(out) - pos - 1)
-        return draft
-
-    def on_request(r: dict, out: list[int], steps: int) -> None:
-        tot["generated"] += len(out)
-        tot["steps"] += steps
-        g = by_cat.setdefault(str(r.get("category", "")), [0, 0, 0])
-        g[0] += len(out)
-        g[1] += steps
-        g[2] += tot["drafted"] - tot["drafted_before"]
-        tot["drafted_before"] = tot["drafted"]
-
-    tot["drafted_before"] = 0
-    drive(sam, rows, step_of, on_request)
-    st = max(tot["steps"], 1)
-    tau = tot["generated"] / st
-    nodes = tot["drafted"] / st
-    return {"tau": tau, "nodes_per_step": nodes,
-            "rejected_per_step": (tot["drafted"] - tot["accepted"]) / st,
-            "cut_early_per_step": tot["early"] / st,
-            "wrong_source_per_step": tot["source"] / st,
-            "speedup": line.speedup(tau, nodes),
-            "draft_ms_per_step": 1e3 * seconds[0] / st,
-            "by_category": {c: {"tau": g / s, "nodes_per_step": d / s,
-                                "speedup": line.speedup(g / s, d / s)}
-                            for c, (g, s, d) in by_cat.items()},
-            "sources": {k: v for k, v in sam.debug_stats().items()
-                        if k.split("_")[0] in SOURCES}}
 
 
 def default_training_sets() -> dict[str, list[dict]]:

@@ -142,6 +142,32 @@ def load_workload(name: str, half: str | None = None, limit: int | None = None) 
     return select(rows, half=half, limit=limit)
 
 
+#: The demo's workloads (``specplug demo``): label -> (workload, half, sessions,
+#: turns kept per session, Spec-Bench categories). Each is where README.md's
+#: "Which method for which workload" makes a claim: open-ended chat (drafts
+#: from text gain little), one extraction template repeated and an agent
+#: loop (``sam``).
+DEMO_WORKLOADS = {
+    "chat": ("spec_bench", "odd", None, None, ("writing", "roleplay")),
+    "extraction": ("pipeline", "odd", 4, None, None),
+    "agent loop": ("agentic", "odd", 1, 4, None),
+}
+
+
+def demo_rows() -> list[dict]:
+    """The demo's rows, each labelled (``category``) with its demo workload,
+    in the order of ``DEMO_WORKLOADS``: they run in one engine per method."""
+    out = []
+    for label, (name, half, sessions, turns, categories) in DEMO_WORKLOADS.items():
+        if categories is not None:
+            rows = [from_prompt(p) for p in load_prompts(per_category=1, categories=categories,
+                                                         half=half)]
+        else:
+            rows = load_workload(name, half=half, limit=sessions)
+        out += [{**r, "category": label} for r in rows if turns is None or r["turn"] < turns]
+    return out
+
+
 def build_messages(row: dict, history: list[tuple[str, str]]) -> list[dict]:
     """Chat messages for ``row``: its system message (if any), then the
     session's earlier turns as (user prompt, assistant output) pairs in

@@ -5,8 +5,7 @@ tokens. The running match is the longest suffix of the context that occurred
 earlier; the draft continues from there. Two ways to continue:
 
 * ``"frequent"`` (default): walk the automaton taking, at each step, the token
-  that most often followed (occurrence counts), while its share is at least
-  ``sam_min_token_prob``;
+  that most often followed (occurrence counts);
 * ``"first"`` (SAM-Decoding): copy what followed the match's first occurrence,
   at most ``ceil(sam_spec_factor * match_len)`` tokens.
 
@@ -292,9 +291,6 @@ class SamProposer(Proposer):
                "is expensive, as on CPUs; long ones where it is nearly free, as on GPUs); "
                "a number: cut the draft where the learned chance that it is still accepted "
                "falls below it (0: never cut)", minimum=0.0, maximum=1.0),
-        Option("sam_min_token_prob", float, 0.0,
-               "'frequent': stop at a token that followed less often than this share",
-               minimum=0.0, maximum=1.0),
         Option("sam_spec_factor", float, 4.0,
                "'first': draft at most ceil(factor * match length) tokens",
                minimum=0.01, maximum=1024.0),
@@ -373,7 +369,7 @@ class SamProposer(Proposer):
 
     def __init__(self, num_speculative_tokens: int, sam_continuation: str = "frequent",
                  sam_min_match_len: int = 1, sam_min_accept_prob: float | None = None,
-                 sam_min_token_prob: float = 0.0, sam_spec_factor: float = 4.0,
+                 sam_spec_factor: float = 4.0,
                  sam_corpus: str = "", sam_corpus_bias: int | None = None,
                  sam_global_tokens: int = 500_000, sam_global_bytes: int = 0,
                  sam_global_prompts: bool = False,
@@ -389,7 +385,6 @@ class SamProposer(Proposer):
         # the fixed threshold rule
         self.min_accept_prob = (None if sam_min_accept_prob is None
                                 else float(sam_min_accept_prob))
-        self.min_token_prob = float(sam_min_token_prob)
         self.spec_factor = float(sam_spec_factor)
         self.corpora = open_corpora(sam_corpus)
         self.corpus_bias = None if sam_corpus_bias is None else int(sam_corpus_bias)
@@ -598,13 +593,12 @@ class SamProposer(Proposer):
         if source == "dynamic":
             sa = self._automata[req_id]
             if self.continuation == "frequent":
-                return sa.frequent_continuation(budget, self.min_token_prob,
-                                                self.min_match_len)[0]
+                return sa.frequent_continuation(budget, 0.0, self.min_match_len)[0]
             return sa.continuation(n, self.min_match_len)[1]
         if source == "static":
             return self.corpora[where[0]].continuation(where[1], length, budget).tolist()
         return where[2].continuation(where[0], where[1], n, self.continuation,
-                                     self.min_token_prob, self.min_match_len)
+                                     0.0, self.min_match_len)
 
     def _value(self, source: str, length: int, n: int) -> tuple[float, float]:
         """(expected accepted tokens of an n-token draft after the cut, the
@@ -678,8 +672,7 @@ class SamProposer(Proposer):
                 continue
             shares = None
             if source == "dynamic" and self.continuation == "frequent":
-                tokens, shares = sa.frequent_continuation(budget, self.min_token_prob,
-                                                          self.min_match_len)
+                tokens, shares = sa.frequent_continuation(budget, 0.0, self.min_match_len)
             else:
                 tokens = self._draft_tokens(req_id, source, length, where, budget)
             if tokens:

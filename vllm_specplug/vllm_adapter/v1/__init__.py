@@ -129,16 +129,7 @@ UPDATE_STATES_PATCH = Patch(
         "nothing, after their finished requests are freed",
     args=("scheduler_output",))
 
-SCHEDULE_PATCH = Patch(
-    name="Scheduler.schedule",
-    module="vllm.v1.core.sched.scheduler", cls="Scheduler", attr="schedule",
-    make=_lazy(".queue_state", "make_schedule"),
-    why="tell the workers how many requests wait in the queue: with none waiting, a "
-        "fixed batch takes as many steps as its slowest row and only the rows that "
-        "finish last draft (budget.pace_batch)")
-
-PATCHES = (ENGINE_ARGS_PATCH, NEW_REQUEST_SALT_PATCH, EXTRA_ARGS_PATCH, SCHEDULE_PATCH,
-           RUNNER_PATCH,
+PATCHES = (ENGINE_ARGS_PATCH, NEW_REQUEST_SALT_PATCH, EXTRA_ARGS_PATCH, RUNNER_PATCH,
            REQUEST_REMOVED_PATCH, UPDATE_STATES_PATCH, AUX_HIDDEN_PATCH, SAMPLE_PATCH, CPU_EXPAND_PATCH,
            TREE_PREPARE_PATCH, CPU_TREE_BACKEND_PATCH,
            FLASH_TREE_BACKEND_PATCH)
@@ -156,7 +147,6 @@ def install() -> None:
     apply(ENGINE_ARGS_PATCH)
     apply(NEW_REQUEST_SALT_PATCH)
     apply(EXTRA_ARGS_PATCH)
-    apply(SCHEDULE_PATCH)
 
 
 def install_worker_patches() -> None:

@@ -28,9 +28,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ...budget import (SAVE_EVERY, AcceptanceCalibration, LengthEndings, RowPaces, StepCostModel,
-                      allocate_batch_exploring, expected_accepted, load_prior, pace_batch,
-                      save_fit, subset)
+from ...budget import (SAVE_EVERY, AcceptanceCalibration, StepCostModel,
+                      allocate_batch_exploring, expected_accepted, load_prior, save_fit, subset)
 from ... import faults, malloc_trim
 from ...config import ADDITIONAL_CONFIG_KEY, ISOLATION_KEY, build_proposer
 from ...goodput import GoodputController, RequestBackoff
@@ -38,8 +37,9 @@ from ...proposers.base import Draft, OutputEnd, start_request
 from ...tree import depths
 from ...warmup import enabled as warmup_enabled
 from ...warmup import warm_up
-from . import queue_state, stats_export, tenancy
+from . import stats_export, tenancy
 from .drafter_state import DrafterState
+from .request_state import FieldView, RequestRecords, StepBudget
 from .step_state import StepTrees, bind_tree_layers
 
 logger = logging.getLogger("vllm_specplug")
@@ -51,15 +51,8 @@ logger = logging.getLogger("vllm_specplug")
 # EXPLORE_CARRY steps.
 EXPLORE_SHARE = 0.05
 EXPLORE_CARRY = 16
-# Pacing (budget.pace_batch): a row drafts when, at one token a step, it
-# would finish within this many tokens of the batch's predicted end. Small:
-# the end is predicted again every step, so a row that stopped too early
-# drafts again as the end comes near it. (The draft length, tried first,
-# let every row of a 16-row batch at 96 tokens draft to the end: nothing
-# was paced off, pipeline, 2026-12-05.)
-PACE_MARGIN_TOKENS = 2.0
-#: at most this many requests remembered as preempted (``_preempted``); one
-#: dropped beyond it only skips ``Proposer.complete`` at its finish
+#: at most this many requests remembered as preempted (``RequestRecord.preempted``);
+#: one dropped beyond it only skips ``Proposer.complete`` at its finish
 MAX_PREEMPTED = 1 << 16
 
 
@@ -139,22 +132,18 @@ class SpecPlugDrafter(DrafterState):
 
             self.scorer = build_scorer(plugin["acceptance"])
         self.route_chains = self.scorer is not None
-        # req_id -> the tree drafted last (chains are not stored); a scheduled
-        # draft is verified as a tree only if its tokens are a prefix of it
-        # (else vLLM's chain path verifies it)
-        self.trees: dict[str, Draft] = {}
-        # req_id -> (number of tokens observed, last token observed)
-        self._seen: dict[str, tuple[int, int]] = {}
+        # req_id -> all the drafter keeps for the request, one record each
+        # (request_state: created when it is scheduled, freed when it
+        # finishes); ``trees`` (what the tree runtime reads) and the budgets'
+        # per-request entries (calibration, backoff) are its fields
+        self.requests = RequestRecords()
+        self.trees = FieldView(self.requests, "tree")
         # which requests share cross-request memory (tenancy, docs/security.md):
-        # the mode, each request's cache_salt until the runner removes its
-        # state, and the requests freed when they left the batch (preempted)
+        # the mode, and whether a scheduler output was seen (salts recorded)
         self.isolation = plugin.get(ISOLATION_KEY, "salt")
-        self._salts: dict[str, Any] = {}
-        # requests that left the batch unfinished (preempted), oldest first;
-        # vLLM finishes or resumes each, so this holds at most the running
-        # requests: MAX_PREEMPTED bounds it in case a finish never comes
-        self._preempted: dict[str, None] = {}
-        self._row_req_ids: Sequence[str] | None = None
+        self._scheduled = False
+        # the rows, budgets and shared faults of the step (StepBudget)
+        self.budget = StepBudget()
         # The model runner (set by the runner patch each step), for proposers
         # that read the runner's block table and KV cache (del).
         self.runner = None
@@ -166,33 +155,15 @@ class SpecPlugDrafter(DrafterState):
         self.containment = faults.Containment(self.method)
         # the proposer hook being called (named in the fault's log line)
         self._hook = ""
-        # True: a shared part of this step faulted in begin_step, no drafts
-        self._step_fault = False
         # batch-aware budget steps and the draft nodes they proposed and kept
         # (and draft nodes dropped because they lie past the request's max_tokens)
-        # (paced: steps with nothing waiting, where only the rows that finish
-        # last drafted; nodes_paced_off: nodes dropped from rows ahead of them)
         self.batch_stats = {"steps": 0, "disabled_steps": 0, "nodes_proposed": 0,
-                            "nodes_kept": 0, "nodes_explored": 0, "nodes_past_max_tokens": 0,
-                            "paced_steps": 0, "nodes_paced_off": 0}
-        # Requests waiting in the scheduler's queue after this step's
-        # scheduling (queue_state; None: not known), how often finished
-        # requests ran to their max_tokens, and each decoding request's
-        # tokens still allowed at its last step (for that count): pacing
-        # (budget.pace_batch) when nothing waits and requests run to their bound
-        self._waiting: int | None = None
-        self._idle_step = False       # this step schedules nothing (note_scheduler_output)
-        self.length_endings = LengthEndings()
-        self._remaining: dict[str, int] = {}
-        self.paces = RowPaces()
-        self._paced_off: np.ndarray | None = None
-        # draft nodes that may still be explored (EXPLORE_SHARE of step time)
-        self._explore_nodes = 0.0
+                            "nodes_kept": 0, "nodes_explored": 0, "nodes_past_max_tokens": 0}
         # the drafter's own time (proposing, budgets, rank agreement): calls,
         # batch rows and seconds, so its overhead can be set against steps
         self.propose_time = {"calls": 0, "rows": 0, "seconds": 0.0, "draft_tokens": 0}
         # accepted against expected tokens of the drafts kept in batch steps
-        self.calibration = AcceptanceCalibration()
+        self.calibration = AcceptanceCalibration(FieldView(self.requests, "expected"))
         # Target top-k of the step just verified (set by the _sample patch):
         # req_id -> TargetTopK, consumed by the next propose().
         self.target_topk_k = (int(self.proposer.target_topk_k)
@@ -207,13 +178,11 @@ class SpecPlugDrafter(DrafterState):
         cached = load_prior(self._cost_cache) if self._cost_cache else None
         self.step_cost = cached or StepCostModel()
         self.step_cost_from_cache = cached is not None
-        self._last_step: tuple[tuple[str, ...], int, float] | None = None
         # measured goodput cuts drafts that do not pay, engine-wide and per
         # request (vllm_specplug.goodput); per-request caps from extra_args
         on = plugin.get("goodput", "off") == "on"
         self.goodput = GoodputController(enabled=on)
-        self.backoff = RequestBackoff(enabled=on)
-        self._request_caps: dict[str, int] = {}
+        self.backoff = RequestBackoff(enabled=on, rows=FieldView(self.requests, "backoff"))
         # True: tensor parallel, group looked up at the first step; None: one rank.
         self._tp = True if vllm_config.parallel_config.tensor_parallel_size > 1 else None
         self.faults = None
@@ -286,26 +255,26 @@ class SpecPlugDrafter(DrafterState):
         """Called by the runner patch before vLLM asks for drafts: the batch's
         request ids by row and, for hooks that read them (eagle2), the
         target's hidden states of this step."""
-        self._row_req_ids = req_ids
+        self.budget.row_req_ids = req_ids
         if self.target_hook is not None and isinstance(sampled_token_ids, list):
             try:
                 self.target_hook.begin_step(self.runner, hidden_states, sampled_token_ids, req_ids,
                         scheduler_output, aux_hidden_states=aux_hidden_states)
             except Exception as e:  # noqa: BLE001 - a shared step: no drafts this step
                 self.containment.shared_fault("target_begin_step", e)
-                self._step_fault = True
+                self.budget.fault = True
 
     def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec,
                 token_ids_cpu, slot_mappings: Any = None) -> list[list[int]]:
-        req_ids = self._row_req_ids
+        req_ids = self.budget.row_req_ids
         if req_ids is None:
             raise RuntimeError(
                 "vllm_specplug: the runner patch GPUModelRunner.propose_draft_token_ids was "
                 "not applied; is the installed vLLM supported?")
-        self._row_req_ids = None
+        self.budget.row_req_ids = None
         started = time.perf_counter()
         pending, self.pending_topk = self.pending_topk, {}
-        step_fault, self._step_fault = self._step_fault, False
+        step_fault, self.budget.fault = self.budget.fault, False
         decoding = sum(1 for s in sampled_token_ids if s)
         try:
             self._time_step(req_ids, sampled_token_ids)
@@ -313,7 +282,7 @@ class SpecPlugDrafter(DrafterState):
             self.proposer.relative_token_cost = self.step_cost.row_token_cost(decoding)
         except Exception as e:  # noqa: BLE001 - a shared step: no drafts this step
             self.containment.shared_fault("step_cost", e)
-            self._last_step = None
+            self.budget.last = None
             step_fault = True
         # at disable_by_batch_size decoding rows or more nothing is drafted:
         # proposers only follow their requests' tokens this step (so after a
@@ -324,42 +293,29 @@ class SpecPlugDrafter(DrafterState):
             self.batch_stats["disabled_steps"] += 1
         disabled = disabled or step_fault
         proposed: list[Draft] = []
-        remaining: list[int | None] = []
         live = set()
         for row, sampled in enumerate(sampled_token_ids):
             req_id = req_ids[row]
             live.add(req_id)
-            remaining.append(None)
-            # partial prefill or discarded row; a request that faulted (it
-            # still decodes: pacing counts its tokens still to generate)
+            # partial prefill or discarded row; a request that faulted
             if not sampled or req_id in self.containment:
-                if sampled:
-                    try:
-                        remaining[row] = self._tokens_left(req_id, int(num_tokens_no_spec[row]))
-                    except Exception:  # noqa: BLE001 - its fault was counted; pacing only
-                        pass
                 proposed.append(Draft.empty())
                 continue
             try:
                 self._hook = "adapter"
                 left = self._tokens_left(req_id, int(num_tokens_no_spec[row]))
-                if left is not None:
-                    remaining[row] = self._remaining[req_id] = left
                 proposed.append(self._propose_row(req_id, row, int(num_tokens_no_spec[row]),
                                                   token_ids_cpu, pending.get(req_id),
                                                   draft=not disabled, left=left))
             except Exception as e:  # noqa: BLE001 - one request's fault stays its own
                 self._request_fault(req_id, e)
                 proposed.append(Draft.empty())
-        for req_id in [r for r in self._seen if r not in live]:
-            self._preempted[req_id] = None
-            if len(self._preempted) > MAX_PREEMPTED:
-                del self._preempted[next(iter(self._preempted))]
+        for req_id in [r for r in self.requests.running() if r not in live]:
+            self.requests.preempt(req_id, MAX_PREEMPTED)
             self._forget(req_id)
-        self._step_req_ids = req_ids
-        self._paced_off = None
+        self.budget.req_ids = req_ids
         try:
-            proposed = self._fit_to_batch(proposed, decoding, remaining)
+            proposed = self._fit_to_batch(proposed, decoding)
             proposed = self._goodput_caps(req_ids, sampled_token_ids, proposed)
         except Exception as e:  # noqa: BLE001 - a shared step: no drafts this step
             self.containment.shared_fault("budget", e)
@@ -368,15 +324,11 @@ class SpecPlugDrafter(DrafterState):
         drafts: list[list[int]] = []
         for row, draft in enumerate(proposed):
             self._remember_tree(req_ids[row], draft)
-            # a row's pace counts the steps it was allowed to draft
-            self.paces.allow(req_ids[row], bool(sampled_token_ids[row]) and not disabled
-                             and req_ids[row] not in self.containment
-                             and (self._paced_off is None or not self._paced_off[row]))
             drafts.append(draft.tokens.tolist())
         drafts = self._agree_across_ranks(req_ids[: len(drafts)], drafts)
-        if self._last_step is not None:
-            self._last_step = (self._last_step[0], sum(len(d) for d in drafts),
-                               self._last_step[2])
+        if self.budget.last is not None:
+            self.budget.last = (self.budget.last[0], sum(len(d) for d in drafts),
+                                self.budget.last[2])
         self.propose_time["calls"] += 1
         self.propose_time["rows"] += len(sampled_token_ids)
         self.propose_time["draft_tokens"] += sum(len(d) for d in drafts)
@@ -416,7 +368,7 @@ class SpecPlugDrafter(DrafterState):
         now = time.perf_counter()
         key = tuple(req_ids[: len(sampled_token_ids)])
         decoding = all(sampled_token_ids)
-        last = self._last_step
+        last = self.budget.last
         if decoding and last is not None and last[0] == key:
             self.step_cost.add(len(key) + last[1], now - last[2], rows=len(key))
             if self.goodput.enabled:
@@ -433,7 +385,7 @@ class SpecPlugDrafter(DrafterState):
                     logger.warning("vllm_specplug: cannot cache the step cost in %s: %s",
                                    self._cost_cache, e)
                     self._cost_cache = None
-        self._last_step = (key, 0, now) if decoding else None
+        self.budget.last = (key, 0, now) if decoding else None
 
     def _propose_row(self, req_id: str, row: int, n: int, token_ids_cpu,
                      topk=None, draft: bool = True, left: int | None = None) -> Draft:
@@ -441,13 +393,13 @@ class SpecPlugDrafter(DrafterState):
         the request), then drafts (when ``draft``), within max_tokens
         (``left``, ``_tokens_left``; None: no bound). The caller has set
         ``_hook`` to "adapter"."""
-        seen = self._seen.get(req_id)
+        rec = self.requests.get(req_id)
+        seen = None if rec is None else rec.seen
         if (seen is not None and seen[0] <= n
                 and int(token_ids_cpu[row, seen[0] - 1]) == seen[1]):
             if n > seen[0]:  # the last step committed n - seen[0] tokens (one not drafted)
                 self.calibration.settle(req_id, n - seen[0] - 1)
                 self.backoff.settle(req_id, n - seen[0] - 1)
-                self.paces.committed(req_id, n - seen[0])
             if n > seen[0] or topk is not None:
                 self._hook = "observe"
                 self.proposer.observe(req_id, token_ids_cpu[row, seen[0]:n].tolist(), topk)
@@ -457,21 +409,19 @@ class SpecPlugDrafter(DrafterState):
                 self._hook = "finish"
                 self.proposer.finish(req_id)
             self._hook = "start"
-            info = tenancy.request_info(self.runner, req_id, self._salts, self.isolation)
+            rec = self.requests.record(req_id)
+            info = tenancy.request_info_of(self.runner, req_id, self.isolation,
+                                           self._scheduled, rec.salt)
             if self.runner is not None:   # only what its user receives may be stored
                 info = replace(info, output_end=OutputEnd.of(
                     self.runner.requests[req_id].sampling_params))
-            cap = tenancy.draft_cap(self.runner, req_id)
-            if cap is None:
-                self._request_caps.pop(req_id, None)
-            else:
-                self._request_caps[req_id] = cap
-            self._preempted.pop(req_id, None)
+            rec.cap = tenancy.draft_cap(self.runner, req_id)
+            rec.preempted = False
             start_request(self.proposer, req_id, token_ids_cpu[row, :n].tolist(), info)
             if topk is not None:
                 self._hook = "observe"
                 self.proposer.observe(req_id, [], topk)
-        self._seen[req_id] = (n, int(token_ids_cpu[row, n - 1]))
+        self.requests.started(req_id, (n, int(token_ids_cpu[row, n - 1])))
         if not draft:
             return Draft.empty()
         self._hook = "propose"
@@ -499,8 +449,7 @@ class SpecPlugDrafter(DrafterState):
         own, ``max_tokens - generated - 1``: the deepest draft position that
         can still be committed (a request with ``max_tokens`` m and g tokens
         generated commits at most m - g more, the last of them the step's
-        own bonus or recovered token), and pacing's tokens still to
-        generate. None without a bound (or without vLLM's runner: unit
+        own bonus or recovered token). None without a bound (or without vLLM's runner: unit
         tests). vLLM's scheduler caps drafts at max_model_len, not at
         max_tokens, so without this cut the last step of a well-predicted
         request verifies (and counts as accepted) tokens the output then
@@ -513,15 +462,11 @@ class SpecPlugDrafter(DrafterState):
             return None
         return max(params.max_tokens - (n - state.num_prompt_tokens) - 1, 0)
 
-    def _fit_to_batch(self, drafts: list[Draft], decoding: int,
-                      remaining: Sequence[int | None] | None = None) -> list[Draft]:
+    def _fit_to_batch(self, drafts: list[Draft], decoding: int) -> list[Draft]:
         """Batch-aware budgets (``disable_by_batch_size`` is applied before
-        proposing, in ``propose``): with ``batch_budget`` "auto" (or "pace")
-        and two or more decoding requests, the batch's nodes are shared out
-        by expected tokens per second (``budget.allocate_batch``). With
-        "pace" (experimental), when nothing waits in the scheduler's
-        queue and recent requests ran to their ``max_tokens``, only the rows
-        that must draft to finish with the batch draft (``budget.pace_batch``)."""
+        proposing, in ``propose``): with ``batch_budget`` "auto" and two or
+        more decoding requests, the batch's nodes are shared out by expected
+        tokens per second (``budget.allocate_batch``)."""
         proposed = sum(len(d) for d in drafts)
         if not proposed:   # nothing drafted (disable_by_batch_size: see propose)
             return drafts
@@ -533,27 +478,12 @@ class SpecPlugDrafter(DrafterState):
         # nodes EXPLORE_SHARE of this step's time buys (a unitless count, so
         # the carried credit survives the cost fit's change of scale)
         share = EXPLORE_SHARE * (a / b + decoding) if b > 0 else float(proposed)
-        self._explore_nodes = min(self._explore_nodes + share, EXPLORE_CARRY * share)
-        paced = (mode == "pace" and self._waiting == 0 and self.length_endings.binding
-                 and remaining is not None
-                 and all(r is not None for r, d in zip(remaining, drafts) if len(d)))
-        req_ids = self._step_req_ids
-        if paced:
-            # a contained request decodes without drafts: one token a step
-            pace = [1.0 if req_ids[row] in self.containment else self.paces.pace(req_ids[row])
-                    for row in range(len(drafts))]
-            out, explored, dropped, eligible = pace_batch(
-                drafts, remaining, pace, a, b, decoding, scale=self.calibration.ratio,
-                explore=int(self._explore_nodes), margin=PACE_MARGIN_TOKENS)
-            if eligible is not None:
-                self._paced_off = ~eligible
-            stats["paced_steps"] += 1
-            stats["nodes_paced_off"] += dropped
-        else:
-            out, explored = allocate_batch_exploring(drafts, a, b, decoding,
-                                                     scale=self.calibration.ratio,
-                                                     explore=int(self._explore_nodes))
-        self._explore_nodes -= explored
+        self.budget.explore_nodes = min(self.budget.explore_nodes + share, EXPLORE_CARRY * share)
+        req_ids = self.budget.req_ids
+        out, explored = allocate_batch_exploring(drafts, a, b, decoding,
+                                                 scale=self.calibration.ratio,
+                                                 explore=int(self.budget.explore_nodes))
+        self.budget.explore_nodes -= explored
         stats["steps"] += 1
         stats["nodes_explored"] += explored
         for row, (before, after) in enumerate(zip(drafts, out)):
@@ -573,7 +503,7 @@ class SpecPlugDrafter(DrafterState):
         allow (a prefix of the nodes: parents come first, so it is a tree).
         With the controller off and no request's own cap (the default)
         nothing is cut, so the per-row loop is skipped."""
-        if not self.goodput.enabled and not self._request_caps:
+        if not self.goodput.enabled and not self.requests.any("cap"):
             return proposed
         scale = self.goodput.scale
         out = []
@@ -584,7 +514,9 @@ class SpecPlugDrafter(DrafterState):
                 continue
             n = len(d)
             cap = self.backoff.cap(req_id, self.goodput.cap(n, scale))
-            cap = min(cap, self._request_caps.get(req_id, cap))
+            rec = self.requests.get(req_id)
+            if rec is not None and rec.cap is not None:
+                cap = min(cap, rec.cap)
             if cap < n:
                 d = self._cut(req_id, d, subset(d, np.arange(n) < cap))
             self.backoff.drafted(req_id, len(d))
@@ -610,53 +542,48 @@ class SpecPlugDrafter(DrafterState):
 
     def note_scheduler_output(self, scheduler_output: Any) -> None:
         """Called by the runner patch at the start of every step: keep the
-        ``cache_salt`` of the step's new requests (``tenancy``) and the
-        number of requests waiting in the scheduler's queue (``queue_state``)."""
-        tenancy.note_new_requests(scheduler_output, self._salts)
-        self._waiting = queue_state.waiting_of(scheduler_output)
+        ``cache_salt`` of the step's new requests (``tenancy``)."""
+        if scheduler_output is not None:   # None: driven without vLLM's scheduler (unit tests)
+            self._scheduled = True
+            for req_id, salt in tenancy.new_request_salts(scheduler_output):
+                self.requests.record(req_id).salt = salt
         # a step that schedules nothing: vLLM runs one to free the last
         # finished requests; every rank sees the same scheduler output
-        self._idle_step = (scheduler_output is not None
-                           and scheduler_output.total_num_scheduled_tokens == 0)
+        self.budget.idle = (scheduler_output is not None
+                            and scheduler_output.total_num_scheduled_tokens == 0)
 
     def after_update_states(self) -> None:
         """Called by the runner patch once ``_update_states`` has freed the
         step's finished requests. In a step that schedules nothing, glibc's
         free memory goes back (``malloc_trim``): never inside a step that
         runs the model, and on every rank in the same step (issue 45 item 4)."""
-        if self._idle_step:
-            self._idle_step = False
+        if self.budget.idle:
+            self.budget.idle = False
             self.malloc_trim.maybe()
 
     def finish_request(self, req_id: str) -> None:
         """The request finished or was aborted (runner hook; preempted requests
-        only leave the batch and are freed by ``_forget``)."""
-        self._salts.pop(req_id, None)
-        self.paces.forget(req_id)
-        left = self._remaining.pop(req_id, None)
-        if left is not None:
-            # it could reach its max_tokens in its last step only from within
-            # one draft's length of it
-            self.length_endings.record(left <= self.k)
+        only leave the batch and are freed by ``_forget``): its record goes,
+        whole, then the proposer completes (and finishes) it."""
+        rec = self.requests.pop(req_id, None)
         if self.containment.finished(req_id):
             # its state was freed at the fault; complete() lets the proposer
             # drop what it keeps past a finish (sam: the prompt length)
-            self._preempted.pop(req_id, None)
             try:
                 self.proposer.complete(req_id)
             except Exception:  # noqa: BLE001 - the request's fault was counted
                 logger.debug("vllm_specplug: %s's complete raised for request %s after "
                              "its fault", self.method, req_id, exc_info=True)
             return
-        if req_id in self._preempted:
+        if rec is None:
+            return
+        if rec.preempted and rec.seen is None:
             # freed when it left the batch, now finished or aborted: the
             # proposer drops what it kept over the preemption (sam: the
             # prompt length)
-            self._preempted.pop(req_id, None)
-            if req_id not in self._seen:
-                self._complete(req_id)
-                return
-        if req_id in self._seen and self._complete(req_id):
+            self._complete(req_id)
+            return
+        if rec.seen is not None and self._complete(req_id):
             self._forget(req_id, finished=True)
 
     def _complete(self, req_id: str) -> bool:
@@ -671,13 +598,10 @@ class SpecPlugDrafter(DrafterState):
             return False
 
     def _forget(self, req_id: str, finished: bool = False) -> None:
-        self._seen.pop(req_id, None)
-        self._remaining.pop(req_id, None)
-        self.paces.forget(req_id)
-        self.trees.pop(req_id, None)
-        self.calibration.forget(req_id)
-        self.backoff.forget(req_id)
-        self._request_caps.pop(req_id, None)
+        """It left the batch (preempted; ``finished``: it finished): its
+        running state goes (``RequestRecord.leave``), then the proposer's
+        (``finish``); its record stays until it finishes."""
+        self.requests.leave(req_id)
         try:
             self._hook = "finish"
             self.proposer.finish(req_id)
@@ -693,11 +617,7 @@ class SpecPlugDrafter(DrafterState):
         ``finish`` that raises is not called again); logged once, counted."""
         hook, self._hook = self._hook or "adapter", ""
         self.containment.request_fault(req_id, hook, error, finished)
-        self._seen.pop(req_id, None)
-        self._remaining.pop(req_id, None)
-        self.paces.forget(req_id)
-        self.trees.pop(req_id, None)
-        self.calibration.forget(req_id)
+        self.requests.leave(req_id)
         if hook != "finish":
             try:
                 self.proposer.finish(req_id)
@@ -716,11 +636,6 @@ class SpecPlugDrafter(DrafterState):
                "propose_time": dict(self.propose_time),
                "goodput": self.goodput.stats(), "backoff": self.backoff.stats(),
                "calibration": self.calibration.stats(),
-               "pacing": {"waiting": self._waiting,
-                          "ran_to_max_tokens_share": round(self.length_endings.share, 4),
-                          "finished": self.length_endings.finished,
-                          "binding": self.length_endings.binding,
-                          "overall_pace": round(self.paces.overall, 4)},
                "step_cost": {"samples": self.step_cost.samples, "c0_s": c0,
                              "row_s": c_row, "draft_s": c_draft,
                              "from_cache": self.step_cost_from_cache,
@@ -729,14 +644,14 @@ class SpecPlugDrafter(DrafterState):
                              float(self.step_cost.relative_token_cost(1))}}
         out["proposer"] = self.proposer.debug_stats()
         # entries of each structure that grows with traffic (docs/architecture.md, "Bounds")
-        out["sizes"] = {"drafter_requests": len(self._seen), "drafter_trees": len(self.trees),
-                        "drafter_remaining": len(self._remaining),
-                        "drafter_salts": tenancy.recorded_salts(self._salts),
-                        "drafter_preempted": len(self._preempted),
-                        "drafter_paces": len(self.paces),
-                        "backoff_requests": len(self.backoff),
-                        "request_caps": len(self._request_caps),
-                        "calibration_pending": len(self.calibration.pending),
+        # (the drafter's own: fields of its request records, request_state)
+        count = self.requests.count
+        out["sizes"] = {"drafter_requests": count("seen"), "drafter_trees": count("tree"),
+                        "drafter_salts": count("salt"),
+                        "drafter_preempted": count("preempted"),
+                        "backoff_requests": count("backoff"),
+                        "request_caps": count("cap"),
+                        "calibration_pending": count("expected"),
                         "pending_topk": len(self.pending_topk),
                         **self.proposer.structure_sizes()}
         out["malloc_trim"] = self.malloc_trim.stats()

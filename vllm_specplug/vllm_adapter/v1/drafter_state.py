@@ -7,6 +7,7 @@ DrafterState)`` through this small module, so it never imports ``drafter.py``
 """
 from __future__ import annotations
 
+from collections.abc import MutableMapping
 from typing import Any
 
 from ...proposers.base import Draft, TargetTopK
@@ -17,8 +18,9 @@ class DrafterState:
     """The drafter's per-step state that vLLM's runner patches read."""
 
     #: req_id -> the tree drafted last (chains are not stored); a scheduled
-    #: draft is verified as a tree only if its tokens are a prefix of it
-    trees: dict[str, Draft]
+    #: draft is verified as a tree only if its tokens are a prefix of it (a
+    #: view of the drafter's request records: ``request_state.Trees``)
+    trees: MutableMapping[str, Draft]
     #: whether chains are verified on the tree path too (a non-default
     #: acceptance rule: ``scorer`` is set)
     route_chains: bool

@@ -49,6 +49,8 @@ SHARE_VALUES = (True, False, 1, 0)
 SALT_ATTR = "specplug_cache_salt"
 #: A request whose ``NewRequestData`` the drafter did not see with a salt.
 _UNKNOWN = object()
+#: A request whose salt was not recorded at all (its scheduler output unseen).
+NOT_RECORDED = object()
 #: Key in the drafter's salts once a scheduler output was seen (before: a
 #: drafter driven without vLLM's scheduler, whose requests have no salt).
 _SCHEDULED = object()
@@ -155,44 +157,53 @@ def lora_key(lora_request: Any) -> tuple | None:
     return (lora_request.lora_name, lora_request.lora_int_id, lora_request.lora_path)
 
 
+def new_request_salts(scheduler_output: Any) -> list[tuple[str, Any]]:
+    """(req_id, ``cache_salt``) of this step's new requests (``_UNKNOWN``
+    for one whose ``NewRequestData`` lacks our attribute)."""
+    return [(new.req_id, getattr(new, SALT_ATTR, _UNKNOWN))
+            for new in scheduler_output.scheduled_new_reqs]
+
+
 def note_new_requests(scheduler_output: Any, salts: dict) -> None:
-    """Keep the ``cache_salt`` of this step's new requests (dropped by the
-    drafter when the runner removes the request's state)."""
+    """Keep the ``cache_salt`` of this step's new requests in ``salts`` (the
+    drafter keeps each in its request's record instead)."""
     if scheduler_output is None:   # driven without vLLM's scheduler (unit tests)
         return
     salts[_SCHEDULED] = True
-    for new in scheduler_output.scheduled_new_reqs:
-        salts[new.req_id] = getattr(new, SALT_ATTR, _UNKNOWN)
-
-
-def recorded_salts(salts: dict) -> int:
-    """How many requests' salts ``salts`` holds (its size in the drafter's
-    ``sizes``; the marker of a seen scheduler output is not one)."""
-    return len(salts) - (_SCHEDULED in salts)
+    salts.update(new_request_salts(scheduler_output))
 
 
 def request_info(runner: Any, req_id: str, salts: dict, mode: str) -> RequestInfo:
+    """``request_info_of`` with the salts kept by ``note_new_requests``."""
+    return request_info_of(runner, req_id, mode, _SCHEDULED in salts,
+                           salts.get(req_id, NOT_RECORDED))
+
+
+def request_info_of(runner: Any, req_id: str, mode: str, scheduled: bool,
+                    salt: Any = NOT_RECORDED) -> RequestInfo:
     """What ``Proposer.start`` learns of a request: its tenant key and prompt
-    length, from the runner's request state (``CachedRequestState``)."""
+    length, from the runner's request state (``CachedRequestState``).
+    ``scheduled``: a scheduler output was seen; ``salt``: the request's
+    recorded ``cache_salt`` (``NOT_RECORDED``: none)."""
     if runner is None:   # a drafter driven without vLLM's runner (unit tests)
         return RequestInfo(tenant=tenant_key(mode, None, None, True))
     state = runner.requests[req_id]
-    salt = None
     if mode == "salt":
         # Fail closed: with a real runner, a request whose salt was not
         # recorded (no scheduler output seen at all, or its NewRequestData
         # without our attribute) never joins the no-salt tenant.
-        if _SCHEDULED not in salts:
+        if not scheduled:
             raise RuntimeError(
                 f"vllm_specplug: no scheduler output was recorded before request {req_id} "
                 f"(the patch of the runner's _update_states did not run); it drafts without "
                 f"cross-request memory")
-        salt = salts.get(req_id, _UNKNOWN)
-        if salt is _UNKNOWN:
+        if salt is _UNKNOWN or salt is NOT_RECORDED:
             raise RuntimeError(
                 f"vllm_specplug: no cache_salt was recorded for request {req_id} (the patch "
                 f"of NewRequestData.from_request did not run in the scheduler's process); "
                 f"it drafts without cross-request memory")
+    else:
+        salt = None
     lora = lora_key(state.lora_request)
     return RequestInfo(tenant=tenant_key(mode, salt, lora, shares(state.sampling_params)),
                        num_prompt_tokens=int(state.num_prompt_tokens))
