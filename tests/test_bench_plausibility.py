@@ -189,6 +189,9 @@ def test_the_demo_gives_a_verdict_per_workload_against_the_readme():
     near = [dict(r, seconds=r["seconds"] * 1.01) for r in sam]
     res2 = _result(plain, {"sam": sam, "sam_tr": near})
     assert "on par with the fastest, `sam`" in report.workload_verdicts(res2, {"c0": "sam_tr"})[0]
+    # methods recommended alike: the fastest of them counts
+    assert "the recommended `sam` is the fastest" in report.workload_verdicts(
+        res2, {"c0": ("sam_tr", "sam")})[0]
     # one of ours slower than plain where nothing is expected to gain
     slow = [_row(i, 96, 0, 96 * 0.110) for i in range(4)]
     res3 = _result(plain, {"sam": slow})

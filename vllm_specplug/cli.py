@@ -14,15 +14,15 @@ from pathlib import Path
 # README's "Which method for which workload" makes a claim
 # (``bench.workloads.DEMO_WORKLOADS``): two open-ended Spec-Bench questions
 # (chat), four requests of one extraction template, four turns of one agent
-# loop; 48 greedy tokens; plain, vLLM's `suffix`, `sam` and `sam_tr`, one
+# loop; 32 greedy tokens; plain, vLLM's `suffix`, `sam` and `sam_tr`, one
 # engine each running every workload in turn; a verdict line per workload.
 # Its time is mostly the four engine processes (vLLM's three processes
 # starting and stopping: about 45 s each on this 2-core machine).
-QUICK = {"methods": "plain,suffix,sam,sam_tr", "max_tokens": 48,
+QUICK = {"methods": "plain,suffix,sam,sam_tr", "max_tokens": 32,
          "engine": {"max_model_len": 2048}, "kv_cache_gb": "1",
          # README.md's recommendation per demo workload (None: no method is
          # expected to gain much, none of ours may be slower than plain)
-         "recommends": {"chat": None, "extraction": "sam", "agent loop": "sam"}}
+         "recommends": {"chat": None, "extraction": ("sam", "sam_tr"), "agent loop": "sam"}}
 # `specplug bench --preset readme`: the README's methods table from one run.
 # Spec-Bench's odd half (the half not used for tuning), one prompt per
 # category (13), 128 greedy tokens, batch size 1, one engine per method; the

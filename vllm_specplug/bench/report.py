@@ -152,13 +152,14 @@ def verdicts(res: dict, baseline: str = "suffix") -> list[str]:
 ON_PAR = 0.02
 
 
-def workload_verdicts(res: dict, recommends: dict[str, str | None]) -> list[str]:
+def workload_verdicts(res: dict, recommends: dict[str, str | tuple | None]) -> list[str]:
     """One line per workload (a category of the run, ``recommends``: the
-    method README.md recommends for it, None: no method is expected to gain
-    much): every method's tokens/s and speedup there, then whether the run
-    agrees with the README: the recommended method is the fastest or within
-    ``ON_PAR`` of it; with no recommendation, none of ours is slower than
-    plain decoding by more than ``ON_PAR``. Flagged methods are said so."""
+    method README.md recommends for it, or a tuple of methods it recommends
+    alike; None: no method is expected to gain much): every method's tokens/s
+    and speedup there, then whether the run agrees with the README: the
+    (best) recommended method is the fastest or within ``ON_PAR`` of it; with
+    no recommendation, none of ours is slower than plain decoding by more
+    than ``ON_PAR``. Flagged methods are said so."""
     methods = res["methods"]
     flagged = {f.method for f in check(res)}
     ours = [m for m in methods if m not in ("plain", "ngram", "suffix")]
@@ -170,6 +171,9 @@ def workload_verdicts(res: dict, recommends: dict[str, str | None]) -> list[str]
             continue
         figures = ", ".join(f"`{m}` {tps[m] / tps['plain']:.2f}x" for m in tps if m != "plain")
         best = max(tps, key=tps.get)
+        if isinstance(rec, tuple):   # the fastest of the methods recommended alike
+            ran = [m for m in rec if m in tps]
+            rec = max(ran, key=tps.get) if ran else " or ".join(rec)
         if rec is None:
             slow = [m for m in ours if m in tps and tps[m] < (1 - ON_PAR) * tps["plain"]]
             verdict = ("as expected, drafts from text gain little here and none of ours is "
