@@ -279,6 +279,14 @@ def _new(req_id, salt):
     return SimpleNamespace(req_id=req_id, **{tenancy.SALT_ATTR: salt})
 
 
+def _info(runner, req_id, news, mode, scheduled=True):
+    """``request_info_of`` with the salt recorded from a scheduler output
+    holding ``news`` (as the drafter records it in the request's record)."""
+    salts = dict(tenancy.new_request_salts(SimpleNamespace(scheduled_new_reqs=news)))
+    return tenancy.request_info_of(runner, req_id, mode, scheduled,
+                                   salts.get(req_id, tenancy.NOT_RECORDED))
+
+
 @pytest.mark.parametrize("mode, salt, lora, extra, want", [
     ("salt", None, None, None, ()),
     ("salt", "s1", None, None, ("s1", None)),
@@ -294,19 +302,18 @@ def _new(req_id, salt):
     ("request", None, None, None, None),
 ])
 def test_request_info_from_the_runners_state(mode, salt, lora, extra, want):
-    salts = {}
-    tenancy.note_new_requests(SimpleNamespace(scheduled_new_reqs=[_new("r", salt)]), salts)
     runner = SimpleNamespace(requests={"r": _State(extra, lora, prompt=5)})
-    info = tenancy.request_info(runner, "r", salts, mode)
+    info = _info(runner, "r", [_new("r", salt)], mode)
     assert info == RequestInfo(want, 5)
 
 
 def test_a_request_without_a_recorded_salt_shares_nothing_and_says_why():
-    salts = {}
-    tenancy.note_new_requests(SimpleNamespace(scheduled_new_reqs=[]), salts)
     runner = SimpleNamespace(requests={"r": _State()})
     with pytest.raises(RuntimeError, match="no cache_salt was recorded"):
-        tenancy.request_info(runner, "r", salts, "salt")
+        _info(runner, "r", [], "salt")
+    # a NewRequestData without our attribute (the patch did not run) too
+    with pytest.raises(RuntimeError, match="no cache_salt was recorded"):
+        _info(runner, "r", [SimpleNamespace(req_id="r")], "salt")
 
 
 def test_a_real_runner_without_any_recorded_scheduler_output_fails_closed():
@@ -316,24 +323,22 @@ def test_a_real_runner_without_any_recorded_scheduler_output_fails_closed():
     cross-request memory), it never returns the shared key ``()``."""
     runner = SimpleNamespace(requests={"r": _State()})
     with pytest.raises(RuntimeError, match="no scheduler output was recorded"):
-        tenancy.request_info(runner, "r", {}, "salt")
+        _info(runner, "r", [], "salt", scheduled=False)
     # modes that do not read the salt need no scheduler output
-    assert tenancy.request_info(runner, "r", {}, "none").tenant == ()
-    assert tenancy.request_info(runner, "r", {}, "request").tenant is None
+    assert _info(runner, "r", [], "none", scheduled=False).tenant == ()
+    assert _info(runner, "r", [], "request", scheduled=False).tenant is None
 
 
 def test_a_lora_name_re_pointed_to_another_adapter_is_another_tenant():
     """Issue 45 item 5: the LoRA part of the key holds the adapter's name, id
     and path, so a name loaded again from another path (or under another id)
     never drafts from the previous adapter's outputs."""
-    salts = {}
-    tenancy.note_new_requests(SimpleNamespace(scheduled_new_reqs=[
-        _new("a", None), _new("b", None), _new("c", None), _new("d", None)]), salts)
+    news = [_new(r, None) for r in "abcd"]
     ad = lambda name, i, path: SimpleNamespace(lora_name=name, lora_int_id=i, lora_path=path)
     runner = SimpleNamespace(requests={
         "a": _State(lora=ad("x", 1, "/v1")), "b": _State(lora=ad("x", 1, "/v2")),
         "c": _State(lora=ad("x", 2, "/v1")), "d": _State(lora=ad("x", 1, "/v1"))})
-    keys = {r: tenancy.request_info(runner, r, salts, "salt").tenant for r in "abcd"}
+    keys = {r: _info(runner, r, news, "salt").tenant for r in "abcd"}
     assert len({keys["a"], keys["b"], keys["c"]}) == 3
     assert keys["a"] == keys["d"]            # the same adapter: one tenant
 

@@ -24,9 +24,10 @@ vLLM 0.32 does not send ``cache_salt`` to the workers (the scheduler hashes
 it into block hashes only), so ``make_from_request`` (a patch of
 ``NewRequestData.from_request``, applied in every process) copies it onto
 the ``NewRequestData`` the worker receives as ``specplug_cache_salt``;
-``note_new_requests`` (called by a patch of the runner's ``_update_states``,
-which sees every step's new requests, also in steps where vLLM skips the
-drafter) keeps it per request until the runner removes the request's state. ``make_verify_extra_args`` (a patch of
+``new_request_salts`` (read by the drafter from a patch of the runner's
+``_update_states``, which sees every step's new requests, also in steps where
+vLLM skips the drafter) gives it to the request's record, kept until the
+runner removes the request's state. ``make_verify_extra_args`` (a patch of
 ``SamplingParams._verify_extra_args``) refuses a malformed
 ``"specplug_share"`` (or any other ``specplug`` key) where vLLM validates the
 request, so it fails before it is served.
@@ -47,13 +48,9 @@ SHARE_KEY = "specplug_share"
 SHARE_VALUES = (True, False, 1, 0)
 #: The attribute ``make_from_request`` adds to ``NewRequestData``.
 SALT_ATTR = "specplug_cache_salt"
-#: A request whose ``NewRequestData`` the drafter did not see with a salt.
-_UNKNOWN = object()
-#: A request whose salt was not recorded at all (its scheduler output unseen).
+#: A request whose salt was not recorded: its scheduler output unseen, or
+#: its ``NewRequestData`` without our attribute.
 NOT_RECORDED = object()
-#: Key in the drafter's salts once a scheduler output was seen (before: a
-#: drafter driven without vLLM's scheduler, whose requests have no salt).
-_SCHEDULED = object()
 
 
 #: ``extra_args["specplug_draft"]``: False (or 0): no drafts for this request.
@@ -158,25 +155,12 @@ def lora_key(lora_request: Any) -> tuple | None:
 
 
 def new_request_salts(scheduler_output: Any) -> list[tuple[str, Any]]:
-    """(req_id, ``cache_salt``) of this step's new requests (``_UNKNOWN``
-    for one whose ``NewRequestData`` lacks our attribute)."""
-    return [(new.req_id, getattr(new, SALT_ATTR, _UNKNOWN))
+    """(req_id, ``cache_salt``) of this step's new requests (``NOT_RECORDED``
+    for one whose ``NewRequestData`` lacks our attribute: it then fails
+    closed in ``request_info_of``). The attribute is ours, set by
+    ``make_from_request``, not vLLM's."""
+    return [(new.req_id, getattr(new, SALT_ATTR, NOT_RECORDED))
             for new in scheduler_output.scheduled_new_reqs]
-
-
-def note_new_requests(scheduler_output: Any, salts: dict) -> None:
-    """Keep the ``cache_salt`` of this step's new requests in ``salts`` (the
-    drafter keeps each in its request's record instead)."""
-    if scheduler_output is None:   # driven without vLLM's scheduler (unit tests)
-        return
-    salts[_SCHEDULED] = True
-    salts.update(new_request_salts(scheduler_output))
-
-
-def request_info(runner: Any, req_id: str, salts: dict, mode: str) -> RequestInfo:
-    """``request_info_of`` with the salts kept by ``note_new_requests``."""
-    return request_info_of(runner, req_id, mode, _SCHEDULED in salts,
-                           salts.get(req_id, NOT_RECORDED))
 
 
 def request_info_of(runner: Any, req_id: str, mode: str, scheduled: bool,
@@ -197,7 +181,7 @@ def request_info_of(runner: Any, req_id: str, mode: str, scheduled: bool,
                 f"vllm_specplug: no scheduler output was recorded before request {req_id} "
                 f"(the patch of the runner's _update_states did not run); it drafts without "
                 f"cross-request memory")
-        if salt is _UNKNOWN or salt is NOT_RECORDED:
+        if salt is NOT_RECORDED:
             raise RuntimeError(
                 f"vllm_specplug: no cache_salt was recorded for request {req_id} (the patch "
                 f"of NewRequestData.from_request did not run in the scheduler's process); "
