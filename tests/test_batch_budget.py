@@ -291,3 +291,84 @@ def test_drafter_calibrates_from_what_verification_accepted(patch_calls):
     for r in ("a", "b"):
         d.finish_request(r)
     assert not d.calibration.pending
+
+
+def _rejected_steps(d, steps: int) -> list[int]:
+    """``steps`` batch steps of two rows whose drafts (a chain worth 0.6, 0.55:
+    below the bar, within the exploration margin) are never accepted (every
+    step commits token 7); the explored nodes per step."""
+    d.step_cost = type(d.step_cost)(prior_a=1.0, prior_b=10.0, prior_weight=1e9)
+    d._cost_cache = None   # 300 steps would save this made-up cost for later drafters
+    d.proposer.propose = lambda req_id, k: Draft.chain(np.array([999, 998]),
+                                                       np.array([0.6, 0.55]))
+    hist = {"a": [1, 2, 3, 1, 2], "b": [4, 5, 6, 4, 5]}
+    out = []
+    for _ in range(steps):
+        before = d.stats()["batch_budget"]["nodes_explored"]
+        step(d, ["a", "b"], [hist["a"], hist["b"]], [[hist["a"][-1]], [hist["b"][-1]]])
+        out.append(d.stats()["batch_budget"]["nodes_explored"] - before)
+        for rid in ("a", "b"):
+            hist[rid] = hist[rid] + [7]
+    return out
+
+
+def test_exploration_that_never_pays_shrinks(patch_calls, monkeypatch):
+    """Explored nodes that are never accepted cut the share of step time spent
+    exploring (``ExplorationYield``): over 300 steps, well under what the full
+    EXPLORE_SHARE buys (the same run with the factor held at 1), and never
+    nothing (an estimate can still recover)."""
+    from vllm_specplug.budget import ExplorationYield
+
+    spec = {"method": "sam", "num_speculative_tokens": 4, "sam_min_accept_prob": 0.0}
+    shrinking = _rejected_steps(_drafter(spec), 300)
+    d = _drafter(spec)
+    monkeypatch.setattr(ExplorationYield, "factor", lambda self, bar: 1.0)
+    full = _rejected_steps(d, 300)
+    assert sum(full) >= 25, full                  # 300 * 0.05 * 2.1 = 31.5 nodes
+    assert 0 < sum(shrinking) <= 0.6 * sum(full), (sum(shrinking), sum(full))
+    # the second half explores less than the first
+    assert sum(shrinking[150:]) < sum(shrinking[:150])
+
+
+def test_exploration_yield_settles_what_explored_nodes_got_accepted():
+    from vllm_specplug.budget import ExplorationYield
+
+    y = ExplorationYield()
+    assert y.factor(0.5) == 1.0                   # the prior: at the bar
+    y.expect("r", merit_depth=2, explored_depth=4, nodes=2)
+    y.settle("r", 3)                              # one explored token accepted
+    assert (y.hits, y.tries, y.settled) == (1.0, 2.0, 1)
+    y.expect("r", merit_depth=2, explored_depth=4, nodes=2)
+    y.settle("r", 1)                              # a merit node failed: explored got none
+    assert y.hits == pytest.approx(0.99) and y.tries == pytest.approx(3.98)
+    y.expect("r", 0, 3, 3)
+    y.settle("r", 9)                              # at most the explored depth counts
+    assert y.hits == pytest.approx(0.99 * 0.99 + 3)
+    y.settle("r", 5)                              # nothing pending: no effect
+    assert y.settled == 3 and not y.pending
+    # explored nodes accepted above the bar keep the full share
+    y2 = ExplorationYield()
+    for _ in range(50):
+        y2.expect("r", 0, 1, 1)
+        y2.settle("r", 1)
+    assert y2.factor(0.5) == 1.0
+    # never accepted: down to MIN_FACTOR, not below
+    y3 = ExplorationYield()
+    for _ in range(500):
+        y3.expect("r", 0, 1, 1)
+        y3.settle("r", 0)
+    assert y3.factor(0.5) == ExplorationYield.MIN_FACTOR
+
+
+def test_explored_masks_mark_exactly_the_explored_nodes():
+    from vllm_specplug.budget import allocate_batch_exploring
+
+    a, b = 1.0, 10.0
+    drafts = [chain([0.99, 0.6, 0.55]), chain([0.3]), chain([0.98, 0.97])]
+    masks: list = []
+    out, n = allocate_batch_exploring(drafts, a, b, 3, explore=2, explored_masks=masks)
+    assert [len(m) for m in masks] == [len(d) for d in out]
+    assert sum(int(m.sum()) for m in masks) == n == 2
+    # bar 0.97: 0.99 and 0.98 kept on merit; explored: the likeliest two of
+    # the cut nodes within half the bar (0.97, 0.6); 0.3 is below the margin
+    assert [m.tolist() for m in masks] == [[False, True], [], [False, True]]

@@ -407,9 +407,12 @@ def test_drafts_cut_by_the_batch_budget_are_told_to_the_proposer(drafter, monkey
     """The batch budget keeps fewer nodes than drafted: the proposer learns
     what was kept (``draft_cut``); raising there costs that request alone."""
     rec = _Recorder(monkeypatch, drafter.proposer)
-    monkeypatch.setattr(drafter_mod, "allocate_batch_exploring",
-                        lambda drafts, *a, **k: ([d.__class__.empty() if i == 0 else d
-                                                  for i, d in enumerate(drafts)], 0))
+    def cut_first(drafts, *a, explored_masks, **k):
+        explored_masks.extend(np.zeros(0 if i == 0 else len(d), dtype=bool)
+                              for i, d in enumerate(drafts))
+        return [d.__class__.empty() if i == 0 else d for i, d in enumerate(drafts)], 0
+
+    monkeypatch.setattr(drafter_mod, "allocate_batch_exploring", cut_first)
     hists = [[1, 2, 3, 1, 2], [4, 5, 6, 4, 5]]
     drafts = step(drafter, ["a", "b"], hists, [[2], [5]])
     assert drafts[0] == [] and drafts[1]

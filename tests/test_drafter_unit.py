@@ -50,6 +50,7 @@ def test_construction(patch_calls):
                                          "draft_tokens": 0}
     assert stats.pop("calibration") == {"ratio": 1.0, "settled": 0, "accepted": 0.0,
                                         "expected": 0.0}
+    assert stats.pop("exploration") == {"settled": 0, "hits": 0.0, "tries": 0.0}
     assert stats.pop("faults") == {"requests": 0, "steps": 0, "hooks": {},
                                    "requests_without_drafts": 0}
     # the goodput controller and backoff: off by default, nothing recorded

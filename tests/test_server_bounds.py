@@ -54,7 +54,8 @@ def test_structures_stay_within_their_bounds(model_path, tmp_path):
     # per request: freed once no request runs (finished, aborted or preempted)
     for key in ("drafter_requests", "drafter_trees",
                 "drafter_salts", "drafter_preempted", "sam_output_ends",
-                "backoff_requests", "request_caps", "calibration_pending", "sam_requests",
+                "backoff_requests", "request_caps", "calibration_pending", "exploration_pending",
+                "sam_requests",
                 "sam_pending", "sam_choices", "sam_corpus_matches", "sam_global_matches",
                 "sam_tenants", "sam_stop_requests", "tr_requests", "tr_private_matrices",
                 "hybrid_branches", "hybrid_chains"):

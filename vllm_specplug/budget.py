@@ -385,11 +385,14 @@ def allocate_batch(drafts: list, a: float, b: float, rows: int, scale: float = 1
 
 def allocate_batch_exploring(drafts: list, a: float, b: float, rows: int,
                              scale: float = 1.0, explore: int = 0,
-                             margin: float = 0.5) -> tuple[list, int]:
+                             margin: float = 0.5,
+                             explored_masks: list | None = None) -> tuple[list, int]:
     """``allocate_batch``, then up to ``explore`` more nodes that do not pay
     for themselves on their current estimates, the most likely first, each
     with an estimate (before ``scale``) above ``margin`` times the value it
-    had to beat; returns (drafts, nodes taken that way).
+    had to beat; returns (drafts, nodes taken that way). ``explored_masks``,
+    when given (an empty list), receives per row a boolean mask over the
+    returned draft's nodes: True where the node was taken by exploration.
 
     Exploration: an estimate learns only from nodes that are verified, so
     without it a batch whose estimates start (or fall) below the bar never
@@ -417,6 +420,7 @@ def allocate_batch_exploring(drafts: list, a: float, b: float, rows: int,
         cands.extend((-float(x), j, i, float(r)) for j, (x, r) in enumerate(zip(m, raw)))
     cands.sort()
     keep = [np.zeros(len(d), dtype=bool) for d in drafts]
+    by_exploring = [np.zeros(len(d), dtype=bool) for d in drafts]
     explored = 0
     for neg_v, j, i, estimate in cands:
         v = -neg_v
@@ -425,18 +429,97 @@ def allocate_batch_exploring(drafts: list, a: float, b: float, rows: int,
             if explored >= explore or estimate <= margin * bar:
                 break
             explored += 1
+            by_exploring[i][j] = True
         keep[i][j] = True
         expected += v
         n_tokens += 1
     out = []
-    for d, k in zip(drafts, keep):
+    for d, k, x in zip(drafts, keep, by_exploring):
         if d.scores is None or k.all():
             out.append(d)
+            mask = x
         elif not k.any():
             out.append(Draft.empty())
+            mask = x[:0]
         else:
             out.append(subset(d, k))
+            mask = x[k]
+        if explored_masks is not None:
+            explored_masks.append(mask)
     return out, explored
+
+
+class ExplorationYield:
+    """What the batch budget's exploration buys, measured: the tokens that
+    explored nodes got accepted, per explored node verified, against the
+    value a node had to reach to pay for itself (the bar).
+
+    Exploration verifies nodes whose estimates say they do not pay, so that
+    estimates that start (or fall) too low can recover. When explored nodes
+    are accepted about as often as their estimates said, or less (a fixed
+    batch of fresh requests whose drafts mostly fail), exploring confirms
+    the estimates and only slows the batch: ``factor``, the yield over the
+    bar (between ``MIN_FACTOR`` and 1, starting at 1 with ``PRIOR`` nodes'
+    weight at the bar), scales the share of step time the drafter spends on
+    it. When explored nodes pay, the factor stays at 1.
+
+    A request's explored nodes are settled when its next step shows how many
+    draft tokens were accepted: of a draft whose nodes kept on their merit
+    reach depth m and whose explored nodes reach depth m + e, the explored
+    nodes got ``min(max(accepted - m, 0), e)`` tokens accepted. Pending
+    entries live in the drafter's request records (``pending``), as
+    ``AcceptanceCalibration``'s do."""
+
+    PRIOR = 8.0
+    MIN_FACTOR = 0.1
+    DECAY = 0.99
+    # without the drafter's records: at most this many pending entries
+    MAX_PENDING = 1 << 16
+
+    def __init__(self, pending: MutableMapping[str, tuple[int, int, int]] | None = None) -> None:
+        self.hits = 0.0
+        self.tries = 0.0
+        self.settled = 0
+        self.bounded = pending is None
+        self.pending: MutableMapping[str, tuple[int, int, int]] = {} if pending is None else pending
+
+    def factor(self, bar: float) -> float:
+        """The share of exploration time to spend, for nodes that must reach
+        ``bar`` (tokens per node) to pay."""
+        if not bar > 0:
+            return 1.0
+        rate = (self.hits + self.PRIOR * bar) / (self.tries + self.PRIOR)
+        return min(max(rate / bar, self.MIN_FACTOR), 1.0)
+
+    def expect(self, req_id: str, merit_depth: int, explored_depth: int, nodes: int) -> None:
+        """A request's kept draft: its merit nodes reach ``merit_depth``, its
+        ``nodes`` explored nodes ``explored_depth`` (both from the root)."""
+        self.pending.pop(req_id, None)
+        if nodes <= 0:
+            return
+        if self.bounded and len(self.pending) >= self.MAX_PENDING:
+            del self.pending[next(iter(self.pending))]
+        self.pending[req_id] = (int(merit_depth), int(explored_depth), int(nodes))
+
+    def settle(self, req_id: str, accepted: int) -> None:
+        entry = self.pending.pop(req_id, None)
+        if entry is None:
+            return
+        merit, deepest, nodes = entry
+        hits = min(max(int(accepted) - merit, 0), max(deepest - merit, 0))
+        self.hits = self.hits * self.DECAY + hits
+        self.tries = self.tries * self.DECAY + nodes
+        self.settled += 1
+
+    def forget(self, req_id: str) -> None:
+        self.pending.pop(req_id, None)
+
+    def stats(self, bar: float | None = None) -> dict:
+        out = {"settled": self.settled, "hits": round(self.hits, 2),
+               "tries": round(self.tries, 2)}
+        if bar is not None:
+            out["factor"] = round(self.factor(bar), 4)
+        return out
 
 
 def subset(draft, keep: np.ndarray):

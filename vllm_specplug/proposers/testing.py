@@ -165,10 +165,9 @@ class RandomTreeProposer(_ContextTracking):
                choices=("tree", "chain")),
         Option("random_sizes", str, "",
                "comma-separated node counts: the i-th request started drafts sizes[i % len] "
-               "nodes (for cost measurements; default: the budget)",
-               check=lambda v: None if all(t.strip().isdigit() and int(t) > 0
-                                           for t in v.split(",") if v)
-               else "expected comma-separated positive integers"),
+               "nodes, 0 none (for cost measurements; default: the budget)",
+               check=lambda v: None if all(t.strip().isdigit() for t in v.split(",") if v)
+               else "expected comma-separated integers >= 0"),
     )
 
     def __init__(self, num_speculative_tokens: int, random_seed: int = 0,
@@ -199,6 +198,8 @@ class RandomTreeProposer(_ContextTracking):
 
     def propose(self, req_id: str, budget: int) -> Draft:
         n = min(budget, self.num_speculative_tokens, self._size.get(req_id, budget))
+        if n <= 0:
+            return Draft.empty()
         # Deterministic in the context, so a seeded request is reproducible.
         ctx = self._ctx[req_id]
         rng = np.random.default_rng([self.seed, len(ctx), ctx[-1] if ctx else 0])

@@ -28,7 +28,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ...budget import (SAVE_EVERY, AcceptanceCalibration, StepCostModel,
+from ...budget import (SAVE_EVERY, AcceptanceCalibration, ExplorationYield, StepCostModel,
                       allocate_batch_exploring, expected_accepted, load_prior, save_fit, subset)
 from ... import faults, malloc_trim
 from ...config import ADDITIONAL_CONFIG_KEY, ISOLATION_KEY, build_proposer
@@ -47,8 +47,9 @@ logger = logging.getLogger("vllm_specplug")
 # In batch steps, up to this share of a step's time (the decoding rows' cost)
 # buys draft nodes the batch-aware budget would cut, so acceptance estimates
 # that start (or fall) below the bar keep learning: at worst a batch runs this
-# much slower than without them. Unspent time carries over for at most
-# EXPLORE_CARRY steps.
+# much slower than without them, and less once explored nodes are seen not to
+# pay (``budget.ExplorationYield``: down to a tenth of it). Unspent time
+# carries over for at most EXPLORE_CARRY steps.
 EXPLORE_SHARE = 0.05
 EXPLORE_CARRY = 16
 #: at most this many requests remembered as preempted (``RequestRecord.preempted``);
@@ -164,6 +165,7 @@ class SpecPlugDrafter(DrafterState):
         self.propose_time = {"calls": 0, "rows": 0, "seconds": 0.0, "draft_tokens": 0}
         # accepted against expected tokens of the drafts kept in batch steps
         self.calibration = AcceptanceCalibration(FieldView(self.requests, "expected"))
+        self.exploration = ExplorationYield(FieldView(self.requests, "explored"))
         # Target top-k of the step just verified (set by the _sample patch):
         # req_id -> TargetTopK, consumed by the next propose().
         self.target_topk_k = (int(self.proposer.target_topk_k)
@@ -399,12 +401,14 @@ class SpecPlugDrafter(DrafterState):
                 and int(token_ids_cpu[row, seen[0] - 1]) == seen[1]):
             if n > seen[0]:  # the last step committed n - seen[0] tokens (one not drafted)
                 self.calibration.settle(req_id, n - seen[0] - 1)
+                self.exploration.settle(req_id, n - seen[0] - 1)
                 self.backoff.settle(req_id, n - seen[0] - 1)
             if n > seen[0] or topk is not None:
                 self._hook = "observe"
                 self.proposer.observe(req_id, token_ids_cpu[row, seen[0]:n].tolist(), topk)
         else:
             self.calibration.forget(req_id)
+            self.exploration.forget(req_id)
             if seen is not None:
                 self._hook = "finish"
                 self.proposer.finish(req_id)
@@ -476,13 +480,20 @@ class SpecPlugDrafter(DrafterState):
             return drafts
         a, b = self.step_cost.fit(decoding)
         # nodes EXPLORE_SHARE of this step's time buys (a unitless count, so
-        # the carried credit survives the cost fit's change of scale)
-        share = EXPLORE_SHARE * (a / b + decoding) if b > 0 else float(proposed)
+        # the carried credit survives the cost fit's change of scale), scaled
+        # by what exploring has been buying (the first node's bar: the least
+        # a node must be worth)
+        bar = decoding * b / (a + b * decoding) if b > 0 else 0.0
+        self.budget.explore_bar = bar
+        share = (EXPLORE_SHARE * self.exploration.factor(bar) * (a / b + decoding)
+                 if b > 0 else float(proposed))
         self.budget.explore_nodes = min(self.budget.explore_nodes + share, EXPLORE_CARRY * share)
         req_ids = self.budget.req_ids
+        masks: list = []
         out, explored = allocate_batch_exploring(drafts, a, b, decoding,
                                                  scale=self.calibration.ratio,
-                                                 explore=int(self.budget.explore_nodes))
+                                                 explore=int(self.budget.explore_nodes),
+                                                 explored_masks=masks)
         self.budget.explore_nodes -= explored
         stats["steps"] += 1
         stats["nodes_explored"] += explored
@@ -491,10 +502,22 @@ class SpecPlugDrafter(DrafterState):
                 out[row] = after = self._cut(req_ids[row], before, after)
             if len(after) and after.scores is not None:
                 self.calibration.expect(req_ids[row], expected_accepted(after))
+            self._expect_explored(req_ids[row], after, masks[row])
         kept = sum(len(d) for d in out)
         stats["nodes_proposed"] += proposed
         stats["nodes_kept"] += kept
         return out
+
+    def _expect_explored(self, req_id: str, draft: Draft, explored) -> None:
+        """Tell ``exploration`` how deep a row's kept draft reaches on its
+        merit and with its explored nodes (``explored``: a mask over the
+        draft's nodes; a draft the proposer's ``draft_cut`` emptied has none)."""
+        if len(explored) != len(draft) or not explored.any():
+            self.exploration.forget(req_id)
+            return
+        d = depths(draft.parent_array())
+        merit = int(d[~explored].max()) if (~explored).any() else 0
+        self.exploration.expect(req_id, merit, int(d[explored].max()), int(explored.sum()))
 
     def _goodput_caps(self, req_ids: Sequence[str], sampled_token_ids,
                       proposed: list[Draft]) -> list[Draft]:
@@ -636,6 +659,7 @@ class SpecPlugDrafter(DrafterState):
                "propose_time": dict(self.propose_time),
                "goodput": self.goodput.stats(), "backoff": self.backoff.stats(),
                "calibration": self.calibration.stats(),
+               "exploration": self.exploration.stats(self.budget.explore_bar),
                "step_cost": {"samples": self.step_cost.samples, "c0_s": c0,
                              "row_s": c_row, "draft_s": c_draft,
                              "from_cache": self.step_cost_from_cache,
@@ -652,6 +676,7 @@ class SpecPlugDrafter(DrafterState):
                         "backoff_requests": count("backoff"),
                         "request_caps": count("cap"),
                         "calibration_pending": count("expected"),
+                        "exploration_pending": count("explored"),
                         "pending_topk": len(self.pending_topk),
                         **self.proposer.structure_sizes()}
         out["malloc_trim"] = self.malloc_trim.stats()

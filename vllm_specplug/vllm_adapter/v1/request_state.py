@@ -63,11 +63,14 @@ class RequestRecord:
     expected: float | None = None
     #: its failures and mutes (``RequestBackoff``'s record)
     backoff: Any = None
+    #: how deep its kept draft reached on merit and with explored nodes, and
+    #: how many were explored (``budget.ExplorationYield.pending``)
+    explored: tuple[int, int, int] | None = None
 
     def leave(self) -> None:
         """It left the batch or faulted: its running state is dropped."""
         self.seen = self.cap = self.tree = None
-        self.expected = self.backoff = None
+        self.expected = self.backoff = self.explored = None
 
 
 def _holds(rec: RequestRecord, name: str) -> bool:
@@ -198,6 +201,8 @@ class StepBudget:
     #: draft nodes that may still be explored (the drafter's EXPLORE_SHARE
     #: of step time)
     explore_nodes: float = 0.0
+    #: the last batch step's bar: the least a draft node had to be worth
+    explore_bar: float | None = None
     #: the last all-decoding call's (request ids, drafts proposed, time),
     #: for the step cost model (``_time_step``)
     last: tuple[tuple[str, ...], int, float] | None = None
