@@ -220,8 +220,11 @@ def test_rows_without_sampled_tokens_get_no_draft(drafter):
 
 # Options under which a draft depends on the request's tokens alone (no
 # learned cut), so a fresh proposer given the same history drafts the same.
-STATELESS = [{"sam_min_accept_prob": 0.0},
-             {"sam_continuation": "first", "sam_min_accept_prob": 0.0}]
+# a draft that depends on the request's own history alone: no cut learned,
+# and no other running request's output (sam_global_live)
+STATELESS = [{"sam_min_accept_prob": 0.0, "sam_global_live": False},
+             {"sam_continuation": "first", "sam_min_accept_prob": 0.0,
+              "sam_global_live": False}]
 
 
 @pytest.mark.parametrize("opts", STATELESS + [{}, {"sam_continuation": "first"}],
@@ -286,14 +289,18 @@ def test_multi_step_simulation_matches_fresh_proposer(patch_calls, opts):
         assert drafter.stats()["active_requests"] == len(order)
         assert drafter.stats()["errors"] == 0
     assert total_drafted > 0
-    acc, ref = drafter.proposer.acceptance, direct.acceptance
-    assert np.array_equal(acc.tried, ref.tried)
-    assert np.array_equal(acc.accepted, ref.accepted)
-    assert np.array_equal(acc.proposals, ref.proposals)
+    tables = ("acceptance", "global_acceptance")   # the request's own text; the others'
+    for table in tables:
+        acc, ref = getattr(drafter.proposer, table), getattr(direct, table)
+        assert np.array_equal(acc.tried, ref.tried)
+        assert np.array_equal(acc.accepted, ref.accepted)
+        assert np.array_equal(acc.proposals, ref.proposals)
     # every non-empty draft was learned from (one per step and request, but the
     # last step's drafts, which are never verified)
-    assert acc.tried[:, 0].sum() == nonempty_drafts - sum(1 for d in drafts if d)
-    assert 0 < acc.accepted.sum() <= acc.tried.sum()
+    tried = sum(getattr(drafter.proposer, t).tried for t in tables)
+    accepted = sum(getattr(drafter.proposer, t).accepted for t in tables)
+    assert tried[:, 0].sum() == nonempty_drafts - sum(1 for d in drafts if d)
+    assert 0 < accepted.sum() <= tried.sum()
 
 
 @pytest.mark.parametrize("opts, hist", [

@@ -466,7 +466,7 @@ def test_sizes_bytes_and_stats_report_every_structure(tmp_path):
     sizes.pop("sam_stop_requests", None)                # sam_stop "learned" only
     assert sizes == {"sam_requests": 2, "sam_prompt_lens": 2, "sam_completed": 0,
                      "sam_pending": 1, "sam_choices": 1, "sam_corpus_matches": 2,
-                     "sam_global_matches": 2, "sam_tenants": 2, "sam_output_ends": 0,
+                     "sam_global_matches": 2, "sam_tenants": 2, "sam_output_ends": 0, "sam_live_marks": 0,
                      "sam_acceptance_cache": cache}
     # the automata, two int64 a corpus match, a [state, length, version] list
     # (48 bytes) a segment a request has a global match in

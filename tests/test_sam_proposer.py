@@ -23,7 +23,7 @@ FIRST = {"sam_continuation": "first", "sam_min_accept_prob": 0.0}
 DEFAULTS = {"sam_continuation": "frequent", "sam_min_match_len": 1,
             "sam_min_accept_prob": None, "sam_spec_factor": 4.0,
             "sam_corpus": "", "sam_corpus_bias": None, "sam_global_tokens": 500_000, "sam_global_bytes": 0,
-            "sam_global_prompts": False, "sam_global_tenants": 16,
+            "sam_global_prompts": False, "sam_global_live": True, "sam_global_tenants": 16,
             "sam_stop": "table", "sam_stop_file": ""}
 # On CTX every earlier occurrence has a single continuation, so both ways of
 # continuing draft the same tokens as far as "first" goes (and a fresh acceptance
@@ -305,8 +305,9 @@ def test_draft_properties_frequent(ctx, k, budget, min_match):
        st.sampled_from(["first", "frequent"]))
 def test_observe_equals_start(ctx, data, continuation):
     cut = data.draw(st.integers(0, len(ctx)), label="cut")
-    a = SamProposer(6, sam_continuation=continuation)
-    b = SamProposer(6, sam_continuation=continuation)
+    # (no live windows: a's own output would enter its store, b's prompt not)
+    a = SamProposer(6, sam_continuation=continuation, sam_global_live=False)
+    b = SamProposer(6, sam_continuation=continuation, sam_global_live=False)
     a.start("r", ctx[:cut])
     pos = cut
     while pos < len(ctx):

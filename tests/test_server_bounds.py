@@ -55,8 +55,8 @@ def test_structures_stay_within_their_bounds(model_path, tmp_path):
     for key in ("drafter_requests", "drafter_trees",
                 "drafter_salts", "drafter_preempted", "sam_output_ends",
                 "backoff_requests", "request_caps", "calibration_pending", "exploration_pending",
-                "sam_requests",
-                "sam_pending", "sam_choices", "sam_corpus_matches", "sam_global_matches",
+                "sam_requests", "sam_pending", "sam_choices", "sam_live_marks",
+                "sam_corpus_matches", "sam_global_matches",
                 "sam_tenants", "sam_stop_requests", "tr_requests", "tr_private_matrices",
                 "hybrid_branches", "hybrid_chains"):
         assert sizes.pop(key) == 0, (key, last["sizes"])

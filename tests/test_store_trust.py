@@ -9,6 +9,10 @@
   past a stop token or ``max_tokens``, nothing of a request with stop
   strings: ``base.OutputEnd``);
 * item 10d, ``store_add`` fault injection reaches every tenant's store.
+
+Tests that count a store's documents turn ``sam_global_live`` off: running
+requests' windows are more documents through the same path
+(tests/test_sam_live.py).
 """
 from __future__ import annotations
 
@@ -68,7 +72,7 @@ def test_fresh_salts_with_one_token_outputs_cannot_evict_an_established_store():
 def test_fresh_salts_at_the_default_budget_leave_an_established_store():
     """The issue's case at the default sizes (500,000 tokens, 16 tenants),
     through the proposer: the victim's next request still drafts its text."""
-    prop = SamProposer(8, sam_min_accept_prob=0.0)
+    prop = SamProposer(8, sam_min_accept_prob=0.0, sam_global_live=False)
     victim = ("victim-salt", None)
     _run(prop, "v0", [1, 2], LIGHT[:60], RequestInfo(victim, 2))
     for i in range(20):
@@ -80,7 +84,7 @@ def test_fresh_salts_at_the_default_budget_leave_an_established_store():
 
 
 def test_a_heavy_tenant_through_the_proposer_leaves_the_light_ones_drafts():
-    prop = SamProposer(8, sam_global_tokens=4096, sam_min_accept_prob=0.0)
+    prop = SamProposer(8, sam_global_tokens=4096, sam_min_accept_prob=0.0, sam_global_live=False)
     light = ("light", None)
     _run(prop, "l0", [1, 2], LIGHT[:60], RequestInfo(light, 2))
     rng = np.random.default_rng(1)
@@ -145,7 +149,7 @@ def test_an_insertion_fault_does_not_cost_the_next_request_its_drafts():
 
 # ------------------------------ item 10d: store_add reaches every tenant's store
 def test_store_add_injection_reaches_salted_and_later_stores():
-    prop = SamProposer(8, sam_min_accept_prob=0.0)
+    prop = SamProposer(8, sam_min_accept_prob=0.0, sam_global_live=False)
     early = ("early", None)
     _run(prop, "e0", [1, 2], LIGHT[:20], RequestInfo(early, 2))   # a store before arming
     injector = faults.Injector(faults.parse("sam:store_add:1,sam:store_add:3"))

@@ -29,7 +29,10 @@ Their draft is the corpus tokens after the match's first occurrence.
 The global store (``sam_global_tokens`` > 0; ``global_store``) holds the
 outputs (and, with ``sam_global_prompts``, the prompts) of this worker's
 recently finished requests, added when a request finishes (``complete``),
-never before, a step's finished requests in request-id order: only the
+a step's finished requests in request-id order, and (``sam_global_live``,
+default) running requests' outputs as they grow, in windows of LIVE_EVERY
+new tokens (``_live_window``), so requests of one template running together
+draft from each other as vLLM's ``suffix`` lets them: only the
 output the user received (``RequestInfo.output_end``: nothing past a stop
 token or ``max_tokens``, nothing of a request with stop strings). A document
 whose insertion raises is dropped and counted, and costs no request its
@@ -90,6 +93,11 @@ SOURCES = ("dynamic", "global", "static")
 MIN_GLOBAL_TOKENS = 1024
 # Prompt lengths of requests not yet finished; the oldest are forgotten past this.
 MAX_TRACKED_PROMPTS = 1 << 16
+# sam_global_live: every LIVE_EVERY output tokens a running request adds its
+# newest output to its tenant's store, with the LIVE_CONTEXT tokens before
+# them (so consecutive windows overlap and a match can reach into a window)
+LIVE_EVERY = 16
+LIVE_CONTEXT = 16
 
 logger = logging.getLogger("vllm_specplug")
 
@@ -313,6 +321,11 @@ class SamProposer(Proposer):
                check=_check_global_bytes),
         Option("sam_global_prompts", bool, False,
                "also add finished requests' prompts to the global store"),
+        Option("sam_global_live", bool, True,
+               "running requests add their output to their tenant's global store as it "
+               "grows (every 16 tokens, the newest 16 with the 16 before them), so requests "
+               "running together draft from each other (a batch of one template), not only "
+               "from finished requests"),
         Option("sam_global_tenants", int, 16,
                "tenants (cache_salt and LoRA adapter pairs) whose global stores are kept; "
                "beyond this the store holding the fewest tokens is dropped; past "
@@ -372,7 +385,7 @@ class SamProposer(Proposer):
                  sam_spec_factor: float = 4.0,
                  sam_corpus: str = "", sam_corpus_bias: int | None = None,
                  sam_global_tokens: int = 500_000, sam_global_bytes: int = 0,
-                 sam_global_prompts: bool = False,
+                 sam_global_prompts: bool = False, sam_global_live: bool = True,
                  sam_global_tenants: int = 16, sam_stop: str = "table",
                  sam_stop_file: str = "") -> None:
         self.num_speculative_tokens = int(num_speculative_tokens)
@@ -402,6 +415,10 @@ class SamProposer(Proposer):
 
             self.stores = TenantStores(sam_global_tokens, sam_global_tenants)
         self.global_prompts = bool(sam_global_prompts)
+        self.global_live = bool(sam_global_live) and self.stores is not None
+        # req_id -> where its last live window ended (a context index), while
+        # it has state (sam_global_live)
+        self._live_mark: dict[str, int] = {}
         # req_id -> its tenant key (None: it shares nothing), while it has state
         self._tenant: dict[str, object] = {}
         # req_id -> where the output its user receives ends (RequestInfo.output_end),
@@ -502,6 +519,30 @@ class SamProposer(Proposer):
             store = self.stores.peek(self._tenant[req_id])
             if store is not None:
                 store.advance(match, committed_ids)
+            if self.global_live:
+                self._live_window(req_id)
+
+    def _live_window(self, req_id: str) -> None:
+        """``sam_global_live``: once LIVE_EVERY more output tokens reached the
+        user (``RequestInfo.output_end``: none of a request with stop
+        strings), they go to the request's tenant's store, with the
+        LIVE_CONTEXT tokens before them, before the next draft (as finished
+        outputs do, ``_add_completed``)."""
+        prompt_len = self._prompt_len.get(req_id)
+        if prompt_len is None:
+            return
+        tokens = self._automata[req_id].tokens
+        out = max(prompt_len - 1, 0)
+        mark = self._live_mark.get(req_id, out)
+        if len(tokens) - mark < LIVE_EVERY:
+            return
+        end = self._output_end.get(req_id)
+        stop = out + (end.received(tokens[out:]) if end is not None else len(tokens) - out)
+        if stop - mark < LIVE_EVERY:
+            return
+        self._live_mark[req_id] = stop
+        self._completed.append((req_id, self._tenant[req_id],
+                                tokens[max(out, mark - LIVE_CONTEXT):stop].tolist()))
 
     def complete(self, req_id: str) -> None:
         """The request finished: its output (with ``sam_global_prompts``, all
@@ -749,6 +790,7 @@ class SamProposer(Proposer):
         self._tenant.pop(req_id, None)
         self._output_end.pop(req_id, None)
         self._choice.pop(req_id, None)
+        self._live_mark.pop(req_id, None)
         if self._stop is not None:
             self._stop.finish(req_id)
 
@@ -762,6 +804,7 @@ class SamProposer(Proposer):
                 "sam_choices": len(self._choice), "sam_corpus_matches": len(self._corpus_matches),
                 "sam_global_matches": len(self._global_matches),
                 "sam_tenants": len(self._tenant), "sam_output_ends": len(self._output_end),
+                "sam_live_marks": len(self._live_mark),
                 "sam_acceptance_cache": sum(len(t._rows) + len(t._best) for t in tables),
                 "sam_stop_requests": 0 if self._stop is None else len(self._stop)}
 
