@@ -418,7 +418,8 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{','.join(map(str, DEFAULT_CONCURRENCY))})")
     p.add_argument("--no-serve", action="store_true", help="fixed batches only")
     p.add_argument("--limit", type=int, default=None, metavar="N",
-                   help="only the first N sessions (requests) of each workload, after --half")
+                   help="only the first N sessions (requests) of each workload, after --half "
+                   "(Spec-Bench: a category at a time, so every category is in)")
     p.add_argument("--max-tokens", type=int, default=None,
                    help=f"tokens per request (default {DEFAULT_MAX_TOKENS})")
     p.add_argument("--half", choices=("even", "odd", "all"), default=DEFAULT_HALF,

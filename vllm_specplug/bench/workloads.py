@@ -124,6 +124,24 @@ def select(rows: list[dict], half: str | None = None, limit: int | None = None) 
     return [r for r in rows if session_key(r) in keep]
 
 
+def across_categories(rows: list[dict], limit: int) -> list[dict]:
+    """The first ``limit`` single requests taken a category at a time (every
+    category's first, then every one's second, ...; file order within a
+    category), so a short Spec-Bench run covers every category instead of
+    the first one (the file holds 80 writing prompts first)."""
+    if limit < 1:
+        raise ValueError(f"limit must be at least 1, not {limit}")
+    by_category: dict[str, list[dict]] = {}
+    for r in rows:
+        by_category.setdefault(r["category"], []).append(r)
+    out: list[dict] = []
+    for i in range(max((len(v) for v in by_category.values()), default=0)):
+        out.extend(v[i] for v in by_category.values() if i < len(v))
+        if len(out) >= limit:
+            break
+    return out[:limit]
+
+
 def session_key(r: dict) -> str:
     """The session of a row; a single request is its own session."""
     return r["session"] if r.get("session") is not None else f"\0{r['id']}"
@@ -137,7 +155,7 @@ def load_workload(name: str, half: str | None = None, limit: int | None = None) 
     _check_name(name)
     if name == "spec_bench":
         rows = [from_prompt(p) for p in load_prompts(half=half)]
-        return select(rows, limit=limit)
+        return rows if limit is None else across_categories(rows, limit)
     rows = _multi_turn_rows() if name == "multi_turn" else _vendored_rows(name)
     return select(rows, half=half, limit=limit)
 
