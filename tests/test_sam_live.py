@@ -11,7 +11,7 @@ ANSWER = list(range(100, 160))   # 60 distinct tokens: a request's own text neve
 
 
 def _prop(**kw) -> SamProposer:
-    return SamProposer(8, sam_global_tokens=MIN_GLOBAL_TOKENS, **kw)
+    return SamProposer(8, sam_global_tokens=MIN_GLOBAL_TOKENS, **{"sam_global_live": True, **kw})
 
 
 def _commit(prop: SamProposer, req_id: str, tokens: list[int]) -> None:

@@ -23,7 +23,7 @@ FIRST = {"sam_continuation": "first", "sam_min_accept_prob": 0.0}
 DEFAULTS = {"sam_continuation": "frequent", "sam_min_match_len": 1,
             "sam_min_accept_prob": None, "sam_spec_factor": 4.0,
             "sam_corpus": "", "sam_corpus_bias": None, "sam_global_tokens": 500_000, "sam_global_bytes": 0,
-            "sam_global_prompts": False, "sam_global_live": True, "sam_global_tenants": 16,
+            "sam_global_prompts": False, "sam_global_live": False, "sam_global_tenants": 16,
             "sam_stop": "table", "sam_stop_file": ""}
 # On CTX every earlier occurrence has a single continuation, so both ways of
 # continuing draft the same tokens as far as "first" goes (and a fresh acceptance

@@ -289,8 +289,8 @@ def write_docs(res: dict, out_dir: Path, docs_path: Path, command: str,
 # The README's methods table (`specplug bench --preset readme`): what each
 # method drafts from (and what it needs), and the shape of its drafts.
 METHOD_ROWS = {
-    "sam": ("the request's own text, other requests' (running and finished), optional "
-            "static corpus (nothing)", "chain"),
+    "sam": ("the request's own text, finished requests, optional static corpus (nothing)",
+            "chain"),
     "token_recycling": ("the target's recycled top-k (nothing)", "tree"),
     "sam_tr": ("`sam`, else a Token Recycling tree (nothing)", "chain or tree"),
     "eagle2": ("an EAGLE-1 or EAGLE-3 **head** (`specplug train-eagle` trains one)", "tree"),

@@ -30,7 +30,7 @@ The global store (``sam_global_tokens`` > 0; ``global_store``) holds the
 outputs (and, with ``sam_global_prompts``, the prompts) of this worker's
 recently finished requests, added when a request finishes (``complete``),
 a step's finished requests in request-id order, and (``sam_global_live``,
-default) running requests' outputs as they grow, in windows of LIVE_EVERY
+opt-in) running requests' outputs as they grow, in windows of LIVE_EVERY
 new tokens (``_live_window``), so requests of one template running together
 draft from each other as vLLM's ``suffix`` lets them: only the
 output the user received (``RequestInfo.output_end``: nothing past a stop
@@ -321,11 +321,12 @@ class SamProposer(Proposer):
                check=_check_global_bytes),
         Option("sam_global_prompts", bool, False,
                "also add finished requests' prompts to the global store"),
-        Option("sam_global_live", bool, True,
+        Option("sam_global_live", bool, False,
                "running requests add their output to their tenant's global store as it "
                "grows (every 16 tokens, the newest 16 with the 16 before them), so requests "
                "running together draft from each other (a batch of one template), not only "
-               "from finished requests"),
+               "from finished requests (opt-in: a request then also drafts from its own "
+               "windows, which the engine isolation tests do not yet tell apart)"),
         Option("sam_global_tenants", int, 16,
                "tenants (cache_salt and LoRA adapter pairs) whose global stores are kept; "
                "beyond this the store holding the fewest tokens is dropped; past "
@@ -385,7 +386,7 @@ class SamProposer(Proposer):
                  sam_spec_factor: float = 4.0,
                  sam_corpus: str = "", sam_corpus_bias: int | None = None,
                  sam_global_tokens: int = 500_000, sam_global_bytes: int = 0,
-                 sam_global_prompts: bool = False, sam_global_live: bool = True,
+                 sam_global_prompts: bool = False, sam_global_live: bool = False,
                  sam_global_tenants: int = 16, sam_stop: str = "table",
                  sam_stop_file: str = "") -> None:
         self.num_speculative_tokens = int(num_speculative_tokens)
