@@ -28,9 +28,9 @@ import argparse
 import json
 import time
 
+from measure_tree_cost import PADDING   # the same padding, so the contexts compare
+
 PROMPT = "Write a long story about a lighthouse keeper, part {i}."
-PADDING = ("The keeper logged the weather, trimmed the wick, wound the clockwork and "
-           "wrote a letter to his sister about the ships that passed the rocks. ")
 
 
 def batch_seconds(llm, prompts: list[str], tokens: int) -> float:

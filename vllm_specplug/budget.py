@@ -300,7 +300,30 @@ def monotone_values(values: np.ndarray, parents: np.ndarray | None) -> np.ndarra
 
 
 
-class AcceptanceCalibration:
+class PendingDrafts:
+    """Entries for drafts awaiting verification, one per request, in
+    ``pending``: the drafter's request records (which bound them), or by
+    default a dict of at most ``MAX_PENDING`` (the oldest dropped beyond: a
+    request the drafter never saw leave)."""
+
+    MAX_PENDING = 1 << 16
+
+    def __init__(self, pending: MutableMapping | None = None) -> None:
+        self.bounded = pending is None
+        self.pending: MutableMapping = {} if pending is None else pending
+
+    def _put(self, req_id: str, value) -> None:
+        """A request's entry, replacing its earlier one."""
+        self.pending.pop(req_id, None)
+        if self.bounded and len(self.pending) >= self.MAX_PENDING:
+            del self.pending[next(iter(self.pending))]
+        self.pending[req_id] = value
+
+    def forget(self, req_id: str) -> None:
+        self.pending.pop(req_id, None)
+
+
+class AcceptanceCalibration(PendingDrafts):
     """How far the proposers' acceptance estimates are from what verification
     accepts, in batch steps: ``ratio`` = accepted tokens / expected tokens (the
     kept nodes' estimates summed), exponentially weighted, starting at 1 with
@@ -312,18 +335,13 @@ class AcceptanceCalibration:
     PRIOR = 16.0
     MIN, MAX = 0.25, 1.5
     DECAY = 0.995
-    # drafts awaiting verification are kept for at most this many requests
-    # (the oldest dropped beyond: a request the drafter never saw leave)
-    MAX_PENDING = 1 << 16
 
     def __init__(self, pending: MutableMapping[str, float] | None = None) -> None:
-        """``pending``: where the drafts awaiting verification are kept (the
-        drafter's request records, which bound them; default: a dict of at
-        most ``MAX_PENDING``)."""
+        """``pending``: where the drafts awaiting verification are kept
+        (``PendingDrafts``)."""
+        super().__init__(pending)
         self.accepted = 0.0
         self.expected = 0.0
-        self.bounded = pending is None
-        self.pending: MutableMapping[str, float] = {} if pending is None else pending
         self.settled = 0
 
     @property
@@ -333,10 +351,7 @@ class AcceptanceCalibration:
 
     def expect(self, req_id: str, expected_tokens: float) -> None:
         """A request's kept draft is expected to get this many tokens accepted."""
-        self.pending.pop(req_id, None)
-        if self.bounded and len(self.pending) >= self.MAX_PENDING:
-            del self.pending[next(iter(self.pending))]
-        self.pending[req_id] = float(expected_tokens)
+        self._put(req_id, float(expected_tokens))
 
     def settle(self, req_id: str, accepted: int) -> None:
         """Verification accepted ``accepted`` draft tokens of that draft."""
@@ -346,9 +361,6 @@ class AcceptanceCalibration:
         self.accepted = self.accepted * self.DECAY + max(int(accepted), 0)
         self.expected = self.expected * self.DECAY + expected
         self.settled += 1
-
-    def forget(self, req_id: str) -> None:
-        self.pending.pop(req_id, None)
 
     def stats(self) -> dict:
         return {"ratio": round(self.ratio, 4), "settled": self.settled,
@@ -420,7 +432,7 @@ def allocate_batch_exploring(drafts: list, a: float, b: float, rows: int,
         cands.extend((-float(x), j, i, float(r)) for j, (x, r) in enumerate(zip(m, raw)))
     cands.sort()
     keep = [np.zeros(len(d), dtype=bool) for d in drafts]
-    by_exploring = [np.zeros(len(d), dtype=bool) for d in drafts]
+    explored_at: list[tuple[int, int]] = []   # (row, node) taken by exploring
     explored = 0
     for neg_v, j, i, estimate in cands:
         v = -neg_v
@@ -429,27 +441,28 @@ def allocate_batch_exploring(drafts: list, a: float, b: float, rows: int,
             if explored >= explore or estimate <= margin * bar:
                 break
             explored += 1
-            by_exploring[i][j] = True
+            explored_at.append((i, j))
         keep[i][j] = True
         expected += v
         n_tokens += 1
     out = []
-    for d, k, x in zip(drafts, keep, by_exploring):
+    for d, k in zip(drafts, keep):
         if d.scores is None or k.all():
             out.append(d)
-            mask = x
         elif not k.any():
             out.append(Draft.empty())
-            mask = x[:0]
         else:
             out.append(subset(d, k))
-            mask = x[k]
-        if explored_masks is not None:
-            explored_masks.append(mask)
+    if explored_masks is not None:
+        by_exploring = [np.zeros(len(d), dtype=bool) for d in drafts]
+        for i, j in explored_at:
+            by_exploring[i][j] = True
+        explored_masks.extend(x if d.scores is None or k.all() else x[k]
+                              for d, x, k in zip(drafts, by_exploring, keep))
     return out, explored
 
 
-class ExplorationYield:
+class ExplorationYield(PendingDrafts):
     """What the batch budget's exploration buys, measured: the tokens that
     explored nodes got accepted, per explored node verified, against the
     value a node had to reach to pay for itself (the bar).
@@ -473,15 +486,12 @@ class ExplorationYield:
     PRIOR = 8.0
     MIN_FACTOR = 0.1
     DECAY = 0.99
-    # without the drafter's records: at most this many pending entries
-    MAX_PENDING = 1 << 16
 
     def __init__(self, pending: MutableMapping[str, tuple[int, int, int]] | None = None) -> None:
+        super().__init__(pending)
         self.hits = 0.0
         self.tries = 0.0
         self.settled = 0
-        self.bounded = pending is None
-        self.pending: MutableMapping[str, tuple[int, int, int]] = {} if pending is None else pending
 
     def factor(self, bar: float) -> float:
         """The share of exploration time to spend, for nodes that must reach
@@ -494,12 +504,10 @@ class ExplorationYield:
     def expect(self, req_id: str, merit_depth: int, explored_depth: int, nodes: int) -> None:
         """A request's kept draft: its merit nodes reach ``merit_depth``, its
         ``nodes`` explored nodes ``explored_depth`` (both from the root)."""
-        self.pending.pop(req_id, None)
         if nodes <= 0:
-            return
-        if self.bounded and len(self.pending) >= self.MAX_PENDING:
-            del self.pending[next(iter(self.pending))]
-        self.pending[req_id] = (int(merit_depth), int(explored_depth), int(nodes))
+            self.forget(req_id)
+        else:
+            self._put(req_id, (int(merit_depth), int(explored_depth), int(nodes)))
 
     def settle(self, req_id: str, accepted: int) -> None:
         entry = self.pending.pop(req_id, None)
@@ -510,9 +518,6 @@ class ExplorationYield:
         self.hits = self.hits * self.DECAY + hits
         self.tries = self.tries * self.DECAY + nodes
         self.settled += 1
-
-    def forget(self, req_id: str) -> None:
-        self.pending.pop(req_id, None)
 
     def stats(self, bar: float | None = None) -> dict:
         out = {"settled": self.settled, "hits": round(self.hits, 2),
