@@ -537,13 +537,19 @@ class SamProposer(Proposer):
         mark = self._live_mark.get(req_id, out)
         if len(tokens) - mark < LIVE_EVERY:
             return
-        end = self._output_end.get(req_id)
-        stop = out + (end.received(tokens[out:]) if end is not None else len(tokens) - out)
+        stop = self._received_stop(req_id, tokens, out)
         if stop - mark < LIVE_EVERY:
             return
         self._live_mark[req_id] = stop
         self._completed.append((req_id, self._tenant[req_id],
                                 tokens[max(out, mark - LIVE_CONTEXT):stop].tolist()))
+
+    def _received_stop(self, req_id: str, tokens, out: int) -> int:
+        """Where the output its user received ends in ``tokens`` (the
+        request's context, its output from ``out``): ``RequestInfo.output_end``,
+        or all of it when that is unknown."""
+        end = self._output_end.get(req_id)
+        return len(tokens) if end is None else out + end.received(tokens[out:])
 
     def complete(self, req_id: str) -> None:
         """The request finished: its output (with ``sam_global_prompts``, all
@@ -562,8 +568,7 @@ class SamProposer(Proposer):
             return
         stop = len(sa.tokens)
         if end is not None:
-            out = max(prompt_len - 1, 0)
-            stop = out + end.received(sa.tokens[out:])
+            stop = self._received_stop(req_id, sa.tokens, max(prompt_len - 1, 0))
             self.stats["global_store_unreceived_tokens"] += len(sa.tokens) - stop
         start = 0 if self.global_prompts else max(prompt_len - 1, 0)
         tokens = sa.tokens[start:stop].tolist()
