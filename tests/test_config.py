@@ -23,8 +23,8 @@ SAM_DEFAULTS = {"sam_continuation": "frequent", "sam_min_match_len": 1,
                 "sam_min_accept_prob": None,
                 "sam_spec_factor": 4.0, "sam_corpus": "", "sam_corpus_bias": None,
                 "sam_global_tokens": 500_000, "sam_global_bytes": 0, "sam_global_prompts": False,
-                "sam_global_live": False,
-                "sam_global_tenants": 16, "sam_stop": "table", "sam_stop_file": ""}
+                "sam_global_live": True,
+                "sam_global_tenants": 16, "sam_stop": "auto", "sam_stop_file": ""}
 SAM_KEYS = ("sam_continuation", "sam_min_match_len", "sam_min_accept_prob",
             "sam_spec_factor")
 

@@ -104,7 +104,8 @@ def test_sam_drafts_the_same_tenants_text(tenant):
 
 
 def test_sam_tenants_in_one_proposer_keep_their_own_stores():
-    prop = SamProposer(8, sam_min_accept_prob=0.0)
+    # documents counted: finished outputs only (live windows: tests/test_sam_live.py)
+    prop = SamProposer(8, sam_min_accept_prob=0.0, sam_global_live=False)
     run(prop, "a", [1], ANSWER, RequestInfo(("x", None), 1))
     run(prop, "c", [2], OTHER, RequestInfo(("y", None), 1))
     prop.start("z", [3], RequestInfo(None))   # finished outputs are added from here

@@ -74,11 +74,26 @@ def test_stop_options_that_would_not_be_read_are_refused_with_their_reason():
             r"and is not read with sam_stop 'learned' \(which cuts by the measured verify "
             r"cost\); remove one of them$")):
         SamProposer.check_options(8, {"sam_stop": "learned", "sam_min_accept_prob": 0.5})
-    for options in ({"sam_stop_file": "f.json"}, {"sam_stop": "table", "sam_stop_file": "f"}):
+    for options in ({"sam_stop": "table", "sam_stop_file": "f"},
+                    {"sam_stop_file": "f", "sam_min_accept_prob": 0.5},
+                    {"sam_stop": "auto", "sam_stop_file": "f", "sam_min_accept_prob": 0.0}):
         with pytest.raises(SpecPlugConfigError, match=(
-                r"^speculative_config\['sam_stop_file'\] is read only with sam_stop "
-                r"'learned'; add \"sam_stop\": \"learned\" or remove sam_stop_file$")):
+                r"^speculative_config\['sam_stop_file'\] is read only by the learned rule "
+                r"\(sam_stop 'learned', or 'auto' without sam_min_accept_prob\); use that "
+                r"rule or remove sam_stop_file$")):
             SamProposer.check_options(8, options)
+    # "auto" without a threshold is the learned rule: its file is read
+    SamProposer.check_options(8, {"sam_stop": "auto", "sam_stop_file": "f"})
+    SamProposer.check_options(8, {"sam_stop_file": "f"})
+
+
+@pytest.mark.parametrize("stop,threshold,rule", [
+    ("auto", None, "learned"), ("auto", 0.0, "table"), ("auto", 0.3, "table"),
+    ("table", None, "table"), ("learned", None, "learned")])
+def test_auto_stop_rule_is_the_table_only_with_its_threshold(stop, threshold, rule):
+    sam = SamProposer(8, sam_stop=stop, sam_min_accept_prob=threshold, sam_global_tokens=0)
+    assert sam.stop_rule == rule
+    assert (sam._stop is not None) == (rule == "learned")
 
 
 @pytest.mark.parametrize("tokens,ok", [(0, True), (1, False), (1023, False), (1024, True)])
@@ -297,7 +312,7 @@ def test_the_walk_fetches_the_cut_plus_one(monkeypatch, min_accept_prob, cost, f
         return walk(self, max_tokens, *args, **kwargs)
 
     monkeypatch.setattr(SuffixAutomaton, "frequent_continuation", counting)
-    prop = _own(sam_min_accept_prob=min_accept_prob)
+    prop = _own(sam_min_accept_prob=min_accept_prob, sam_stop="table")
     prop.relative_token_cost = cost
     prop.start("r", CTX)
     prop.propose("r", 8)
@@ -453,7 +468,7 @@ def test_failed_insertions_are_counted_and_the_log_names_their_cause(caplog):
 # ------------------------------------------------------------------- sizes
 def test_sizes_bytes_and_stats_report_every_structure(tmp_path):
     path = _corpus(tmp_path, [list(range(10, 40))])
-    prop = SamProposer(8, sam_corpus=path)
+    prop = SamProposer(8, sam_corpus=path, sam_stop="table")   # the learned rule's: below
     prop.stores.add((), [1, 2, 3, 4, 5, 6])
     prop.start("r1", [1, 2, 3, 12, 13])
     prop.start("r2", CTX)

@@ -12,8 +12,18 @@ from vllm_specplug.bench.simulate import replay
 from vllm_specplug.proposers.base import Draft, Proposer
 from vllm_specplug.proposers.sam import (COUNT_DEPTH, EXPLORE_EVERY, MAX_BUCKET, PRIOR_WEIGHT,
                                          STATS_HORIZON,
-                                         AcceptanceByMatchLength, SamProposer)
+                                         AcceptanceByMatchLength)
+from vllm_specplug.proposers.sam import SamProposer as _SamProposer
 from vllm_specplug.proposers.suffix_automaton import SuffixAutomaton
+
+
+class SamProposer(_SamProposer):
+    """sam with the table rule unless told otherwise: what this file's cut
+    tests are about (the learned rule, the default: tests/test_stop_rule.py)."""
+
+    def __init__(self, *args, sam_stop: str = "table", **kwargs) -> None:
+        super().__init__(*args, sam_stop=sam_stop, **kwargs)
+
 
 CTX = [1, 2, 3, 4, 5, 1, 2, 3]  # match [1, 2, 3] (length 3), then 4 5 1 2 3 follow
 
@@ -23,8 +33,8 @@ FIRST = {"sam_continuation": "first", "sam_min_accept_prob": 0.0}
 DEFAULTS = {"sam_continuation": "frequent", "sam_min_match_len": 1,
             "sam_min_accept_prob": None, "sam_spec_factor": 4.0,
             "sam_corpus": "", "sam_corpus_bias": None, "sam_global_tokens": 500_000, "sam_global_bytes": 0,
-            "sam_global_prompts": False, "sam_global_live": False, "sam_global_tenants": 16,
-            "sam_stop": "table", "sam_stop_file": ""}
+            "sam_global_prompts": False, "sam_global_live": True, "sam_global_tenants": 16,
+            "sam_stop": "auto", "sam_stop_file": ""}
 # On CTX every earlier occurrence has a single continuation, so both ways of
 # continuing draft the same tokens as far as "first" goes (and a fresh acceptance
 # table cuts nothing): "first" copies the 5 tokens after [1, 2, 3] and stops at

@@ -374,9 +374,10 @@ def test_fit_stop_writes_a_file_sam_loads(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("spec, words", [
     ({"sam_stop": "learned", "sam_min_accept_prob": 0.3}, "sam_min_accept_prob"),
-    ({"sam_stop_file": str(S.default_path())}, "read only with sam_stop 'learned'"),
+    ({"sam_stop_file": str(S.default_path()), "sam_min_accept_prob": 0.3},
+     "read only by the learned rule"),
     ({"sam_stop": "table", "sam_stop_file": str(S.default_path())},
-     "read only with sam_stop 'learned'"),
+     "read only by the learned rule"),
 ])
 def test_contradictory_stop_options_are_refused_before_the_engine(spec, words):
     from vllm_specplug.config import translate

@@ -44,7 +44,7 @@ def initial_model() -> StopModel:
 def _proposer(model: StopModel | None, relative_token_cost: float, **opts):
     from ..proposers.sam import SamProposer
 
-    sam = SamProposer(BUDGET, **opts)
+    sam = SamProposer(BUDGET, **{"sam_stop": "table", **opts})
     if model is not None:   # the learned rule with this model (not the shipped file's)
         sam._stop = LearnedStop(model)
     sam.relative_token_cost = relative_token_cost

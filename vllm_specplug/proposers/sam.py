@@ -230,6 +230,14 @@ class AcceptanceByMatchLength:
             self.accepted[b] *= 0.5
 
 
+def stop_rule_of(sam_stop: str, min_accept_prob: float | None) -> str:
+    """The rule ``sam_stop`` names: "auto" is the table rule when its
+    threshold ``sam_min_accept_prob`` is given, else the learned rule."""
+    if sam_stop == "auto":
+        return "table" if min_accept_prob is not None else "learned"
+    return sam_stop
+
+
 def corpus_paths(value: str) -> list[str]:
     """The files a ``sam_corpus`` value names (comma-separated)."""
     return [p.strip() for p in value.split(",") if p.strip()]
@@ -321,24 +329,25 @@ class SamProposer(Proposer):
                check=_check_global_bytes),
         Option("sam_global_prompts", bool, False,
                "also add finished requests' prompts to the global store"),
-        Option("sam_global_live", bool, False,
+        Option("sam_global_live", bool, True,
                "running requests add their output to their tenant's global store as it "
                "grows (every 16 tokens, the newest 16 with the 16 before them), so requests "
                "running together draft from each other (a batch of one template), not only "
-               "from finished requests (opt-in: a request then also drafts from its own "
-               "windows, which the engine isolation tests do not yet tell apart)"),
+               "from finished requests; false: only finished requests' outputs"),
         Option("sam_global_tenants", int, 16,
                "tenants (cache_salt and LoRA adapter pairs) whose global stores are kept; "
                "beyond this the store holding the fewest tokens is dropped; past "
                "sam_global_tokens in all, the largest store drops its oldest part",
                minimum=1, maximum=4096),
-        Option("sam_stop", str, "table",
-               "how drafts are cut and sources chosen: 'table', the acceptance per match "
-               "length learned online; 'learned', a logistic model per drafted position "
-               "(match length, continuation shares, this request's recent acceptance, ...; "
-               "sam_stop_file) calibrated online per source, cut where one more verified "
-               "token costs more than it is expected to bring (the measured verify cost)",
-               choices=("table", "learned")),
+        Option("sam_stop", str, "auto",
+               "how drafts are cut and sources chosen: 'learned', a logistic model per "
+               "drafted position (match length, continuation shares, this request's recent "
+               "acceptance, ...; sam_stop_file) calibrated online per source, cut where one "
+               "more verified token costs more than it is expected to bring (the measured "
+               "verify cost); 'table', the acceptance per match length and position learned "
+               "online; 'auto': 'table' when sam_min_accept_prob is set (the table rule's "
+               "threshold), else 'learned'",
+               choices=("auto", "table", "learned")),
         Option("sam_stop_file", str, "",
                "'learned': the model's coefficients (a file from `specplug fit-stop`); "
                "empty: the shipped file, fitted on this project's recorded outputs",
@@ -347,16 +356,18 @@ class SamProposer(Proposer):
 
     @classmethod
     def check_options(cls, num_speculative_tokens: int, options: dict) -> None:
-        stop = options.get("sam_stop", "table")
+        stop = options.get("sam_stop", "auto")
         if stop == "learned" and options.get("sam_min_accept_prob") is not None:
             raise SpecPlugConfigError(
                 "speculative_config['sam_min_accept_prob'] is the table rule's threshold and "
                 "is not read with sam_stop 'learned' (which cuts by the measured verify "
                 "cost); remove one of them")
-        if stop != "learned" and options.get("sam_stop_file"):
+        if stop_rule_of(stop, options.get("sam_min_accept_prob")) != "learned" \
+                and options.get("sam_stop_file"):
             raise SpecPlugConfigError(
-                "speculative_config['sam_stop_file'] is read only with sam_stop 'learned'; "
-                "add \"sam_stop\": \"learned\" or remove sam_stop_file")
+                "speculative_config['sam_stop_file'] is read only by the learned rule "
+                "(sam_stop 'learned', or 'auto' without sam_min_accept_prob); use that rule "
+                "or remove sam_stop_file")
 
     @classmethod
     def check_model(cls, options: dict, tokenizer: str) -> None:
@@ -386,13 +397,14 @@ class SamProposer(Proposer):
                  sam_spec_factor: float = 4.0,
                  sam_corpus: str = "", sam_corpus_bias: int | None = None,
                  sam_global_tokens: int = 500_000, sam_global_bytes: int = 0,
-                 sam_global_prompts: bool = False, sam_global_live: bool = False,
-                 sam_global_tenants: int = 16, sam_stop: str = "table",
+                 sam_global_prompts: bool = False, sam_global_live: bool = True,
+                 sam_global_tenants: int = 16, sam_stop: str = "auto",
                  sam_stop_file: str = "") -> None:
         self.num_speculative_tokens = int(num_speculative_tokens)
         # None: the table rule; else the learned rule (``stop_rule``)
+        self.stop_rule = stop_rule_of(sam_stop, sam_min_accept_prob)
         self._stop = (LearnedStop(StopModel.load(sam_stop_file or None))
-                      if sam_stop == "learned" else None)
+                      if self.stop_rule == "learned" else None)
         self.continuation = sam_continuation
         self.min_match_len = int(sam_min_match_len)
         # None: draft lengths from the verify cost (``best_length``); a number:
