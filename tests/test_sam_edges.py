@@ -21,7 +21,7 @@ from vllm_specplug.proposers import corpus_automaton
 from vllm_specplug.proposers import sam as sam_module
 from vllm_specplug.proposers.base import Draft, RequestInfo
 from vllm_specplug.proposers.corpus_automaton import build_corpus_automaton
-from vllm_specplug.proposers.sam import AcceptanceByMatchLength, SamProposer
+from vllm_specplug.proposers.sam import AcceptanceByMatchLength, SamProposer, stop_rule_of
 from vllm_specplug.proposers.suffix_automaton import SuffixAutomaton
 
 CTX = [1, 2, 3, 4, 5, 1, 2, 3]      # match [1, 2, 3]; "frequent" drafts the period 4 5 1 2 3
@@ -91,8 +91,8 @@ def test_stop_options_that_would_not_be_read_are_refused_with_their_reason():
     ("auto", None, "learned"), ("auto", 0.0, "table"), ("auto", 0.3, "table"),
     ("table", None, "table"), ("learned", None, "learned")])
 def test_auto_stop_rule_is_the_table_only_with_its_threshold(stop, threshold, rule):
+    assert stop_rule_of(stop, threshold) == rule
     sam = SamProposer(8, sam_stop=stop, sam_min_accept_prob=threshold, sam_global_tokens=0)
-    assert sam.stop_rule == rule
     assert (sam._stop is not None) == (rule == "learned")
 
 

@@ -402,9 +402,8 @@ class SamProposer(Proposer):
                  sam_stop_file: str = "") -> None:
         self.num_speculative_tokens = int(num_speculative_tokens)
         # None: the table rule; else the learned rule (``stop_rule``)
-        self.stop_rule = stop_rule_of(sam_stop, sam_min_accept_prob)
         self._stop = (LearnedStop(StopModel.load(sam_stop_file or None))
-                      if self.stop_rule == "learned" else None)
+                      if stop_rule_of(sam_stop, sam_min_accept_prob) == "learned" else None)
         self.continuation = sam_continuation
         self.min_match_len = int(sam_min_match_len)
         # None: draft lengths from the verify cost (``best_length``); a number:
