@@ -30,7 +30,11 @@ def test_fit_recovers_the_cost_line_and_round_trips(tmp_path):
     save_fit(m, tmp_path / "c.json")
     prior = load_prior(tmp_path / "c.json")
     assert prior.prior[3] == CACHED_PRIOR_WEIGHT
-    # before any measurement the cached ratio is the whole estimate
+    # before any measurement the cached ratio is the whole estimate, once
+    # checked (unchecked, it reads drafts dearer than the built-in prior
+    # does, so that one steers: StepCostModel.coefficients)
+    assert prior.steering == "built-in (cache unchecked)"
+    prior.prior_checked, prior._coef = True, None
     assert prior.relative_token_cost(1) == pytest.approx(m.relative_token_cost(1), rel=1e-6)
 
 

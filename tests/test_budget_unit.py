@@ -117,7 +117,13 @@ def test_saved_fit_file(tmp_path, monkeypatch):
     base = c0 + cr
     assert loaded.prior == pytest.approx((c0 / base, cr / base, cd / base,
                                           budget.CACHED_PRIOR_WEIGHT))
-    # before any measurement the cached fit is the whole estimate
+    # it reads a draft token dearer than the built-in prior does, so until
+    # its check the built-in prior steers; once checked, before any
+    # measurement, the cached fit is the whole estimate
+    assert loaded.steering == "built-in (cache unchecked)"
+    assert loaded.relative_token_cost(1) < m.relative_token_cost(1)
+    loaded.prior_checked, loaded._coef = True, None
+    assert loaded.steering == "cache"
     assert loaded.relative_token_cost(1) == pytest.approx(m.relative_token_cost(1))
     assert loaded.relative_token_cost(8) == pytest.approx(m.relative_token_cost(8))
 
@@ -313,7 +319,10 @@ def test_a_cached_fit_is_checked_against_the_engines_own_steps(tmp_path, cached_
     path.write_text(json.dumps({"format": 2, "c0_s": 0.9, "row_s": 0.1,
                                 "draft_s": cached_ratio}))
     m = load_prior(path)
-    assert m.relative_token_cost(1) == pytest.approx(cached_ratio)
+    # before its check the cache steers only where it is the cheaper one
+    built_in = budget.PRIOR_B / (budget.PRIOR_A + budget.PRIOR_B)
+    assert m.relative_token_cost(1) == pytest.approx(min(cached_ratio, built_in))
+    assert m.steering == ("cache" if cached_ratio < built_in else "built-in (cache unchecked)")
     rng = np.random.default_rng(3)
     for i in range(budget.CHECK_AFTER - 1):
         m.add(1 + i % 9, 0.024 + 0.001 * (i % 9))
@@ -330,10 +339,45 @@ def test_a_cached_fit_waits_for_draft_spread_before_its_check():
     """Steps that all verify the same tokens cannot tell a draft token's
     cost: the check waits (the cached prior stays) until they spread."""
     m = StepCostModel(prior_a=0.9, prior_b=0.31, prior_row=0.1,
-                      prior_weight=budget.CACHED_PRIOR_WEIGHT)
+                      prior_weight=budget.CACHED_PRIOR_WEIGHT, cached=True)
     for _ in range(3 * budget.CHECK_AFTER):
         m.add(2, 0.025)
     assert not m.prior_checked and not m.prior_dropped
     for i in range(40):
         m.add(1 + i % 9, 0.024 + 0.001 * (i % 9))
     assert m.prior_checked and m.prior_dropped
+
+
+def test_an_unchecked_dear_cache_does_not_starve_the_engine_of_its_check():
+    """The regime case (the CI run of a9d01ec): a cache written by a batch of
+    24 rows drafting 9 tokens each, read by an engine of one row, cut its
+    drafts so short that its steps never spread their drafts, so the cache
+    was never checked and steered the whole engine. Here the cache reads a
+    draft token at 0.8 of a step; the engine drafts what its current fit
+    allows (chains accepted with a probability varying step to step, cut
+    where one more token no longer pays) against a clock where a draft
+    token costs 0.042 of a step. Steering from that cache it would draft
+    0.3 tokens a step and never check it; it must draft as with no cache,
+    check the cache, drop it and end near the clock's cost."""
+    m = StepCostModel(prior_a=0.9, prior_b=0.8, prior_row=0.1,
+                      prior_weight=budget.CACHED_PRIOR_WEIGHT, cached=True)
+    assert m.steering == "built-in (cache unchecked)"
+    rng = np.random.default_rng(5)
+    drafted = []
+    for _ in range(4 * budget.CHECK_AFTER):
+        p = rng.uniform(0.2, 0.95)
+        n = budget.best_node_count(p ** np.arange(1, 9), m.relative_token_cost(1), 8)
+        drafted.append(n)
+        m.add(1 + n, (0.024 + 0.001 * n) * rng.uniform(0.98, 1.02))
+    assert np.mean(drafted[: budget.CHECK_AFTER]) > 3, drafted
+    assert m.prior_checked and m.prior_dropped and m.steering == "built-in"
+    assert m.relative_token_cost(1) == pytest.approx(0.001 / 0.024, rel=0.25)
+
+
+def test_an_unchecked_cheap_cache_steers_from_the_first_step():
+    """A cache cheaper than the built-in prior (a GPU's) steers at once:
+    that is what the cache is for (no cold start)."""
+    m = StepCostModel(prior_a=0.95, prior_b=0.01, prior_row=0.05,
+                      prior_weight=budget.CACHED_PRIOR_WEIGHT, cached=True)
+    assert m.steering == "cache"
+    assert m.relative_token_cost(1) == pytest.approx(0.01)

@@ -664,6 +664,7 @@ class SpecPlugDrafter(DrafterState):
                              "row_s": c_row, "draft_s": c_draft,
                              "from_cache": self.step_cost_from_cache,
                              "cache_dropped": self.step_cost.prior_dropped,
+                             "steering": self.step_cost.steering,
                              "relative_token_cost":
                              float(self.step_cost.relative_token_cost(1))}}
         out["proposer"] = self.proposer.debug_stats()
