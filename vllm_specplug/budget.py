@@ -263,7 +263,8 @@ class StepCostModel:
             return
         self.prior_checked = True
         self._coef = None
-        lo, hi = sorted((_draft_share(self._solve(_BUILT_IN)), _draft_share(self._solve(self.prior))))
+        lo, hi = sorted((_draft_share(self._solve(_BUILT_IN)),
+                         _draft_share(self._solve(self.prior))))
         if hi > CHECK_FACTOR * max(lo, 1e-6):
             self.prior = _BUILT_IN
             self.prior_dropped = True
