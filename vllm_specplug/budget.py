@@ -125,6 +125,9 @@ class StepCostModel:
         self.prior_checked = False
         self.prior_dropped = False
         self._coef: np.ndarray | None = None
+        # True while an unchecked cache reads drafts dearer than the built-in
+        # prior, so the built-in solve steers (set with _coef, by coefficients)
+        self._built_in_steers = False
 
     def _solve(self, prior: tuple) -> np.ndarray:
         c0, cr, cd, w = prior
@@ -176,15 +179,13 @@ class StepCostModel:
         check the engine drafts at least as much as without a cache."""
         if self._coef is None:
             mine = self._solve(self.prior)
-            if self._unchecked_cache():
+            self._built_in_steers = False
+            if self.cached and not self.prior_checked:
                 own = self._solve(_BUILT_IN)
                 if _draft_share(own) < _draft_share(mine):
-                    mine = own
+                    mine, self._built_in_steers = own, True
             self._coef = mine
         return self._coef
-
-    def _unchecked_cache(self) -> bool:
-        return self.cached and not self.prior_checked
 
     @property
     def steering(self) -> str:
@@ -193,11 +194,8 @@ class StepCostModel:
         cost more than the built-in prior does (``coefficients``)."""
         if not self.cached or self.prior_dropped:
             return "built-in"
-        if self._unchecked_cache():
-            coef = self.coefficients()
-            if _draft_share(coef) < _draft_share(self._solve(self.prior)):
-                return "built-in (cache unchecked)"
-        return "cache"
+        self.coefficients()
+        return "built-in (cache unchecked)" if self._built_in_steers else "cache"
 
     def fit(self, rows: int = 1) -> tuple[float, float]:
         """``(a, b)`` at ``rows`` decoding rows: a step verifying ``rows +

@@ -401,7 +401,7 @@ class SamProposer(Proposer):
                  sam_global_tenants: int = 16, sam_stop: str = "auto",
                  sam_stop_file: str = "") -> None:
         self.num_speculative_tokens = int(num_speculative_tokens)
-        # None: the table rule; else the learned rule (``stop_rule``)
+        # None: the table rule; else the learned rule (``stop_rule_of``)
         self._stop = (LearnedStop(StopModel.load(sam_stop_file or None))
                       if stop_rule_of(sam_stop, sam_min_accept_prob) == "learned" else None)
         self.continuation = sam_continuation
