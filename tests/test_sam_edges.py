@@ -558,21 +558,32 @@ def test_learned_rule_reads_every_source_past_a_short_own_match(monkeypatch):
 
 
 def _scored(monkeypatch):
-    """What ``LearnedStop.conditional`` is asked, per source: (table_p, agree,
-    in_prompt, support)."""
+    """What the learned rule is asked, per source: (table_p, agree,
+    in_prompt, support), through ``LearnedStop.score`` (what propose runs)
+    or ``LearnedStop.conditional`` (what it runs while recording candidates)."""
     from vllm_specplug.proposers.stop_rule import LearnedStop
 
     asked = {}
-    conditional = LearnedStop.conditional
+    score, conditional = LearnedStop.score, LearnedStop.conditional
 
-    def record(self, req_id, source, match_len, table_p, shares, depths, in_prompt,
-               agree=None, support=None):
+    def note(source, table_p, in_prompt, agree, support):
         asked[source] = (list(table_p), None if agree is None else np.asarray(agree).tolist(),
                          in_prompt, None if support is None else list(support))
+
+    def record_score(self, req_id, source, match_len, table_p, shares, depths, in_prompt,
+                     agree, support, relative_cost):
+        note(source, table_p, in_prompt, agree, support)
+        return score(self, req_id, source, match_len, table_p, shares, depths,
+                     in_prompt, agree, support, relative_cost)
+
+    def record_conditional(self, req_id, source, match_len, table_p, shares, depths, in_prompt,
+                           agree=None, support=None):
+        note(source, table_p, in_prompt, agree, support)
         return conditional(self, req_id, source, match_len, table_p, shares, depths,
                            in_prompt, agree, support)
 
-    monkeypatch.setattr(LearnedStop, "conditional", record)
+    monkeypatch.setattr(LearnedStop, "score", record_score)
+    monkeypatch.setattr(LearnedStop, "conditional", record_conditional)
     return asked
 
 

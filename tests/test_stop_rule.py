@@ -388,3 +388,84 @@ def test_contradictory_stop_options_are_refused_before_the_engine(spec, words):
     # the learned rule with the shipped file (named or not) is accepted
     for extra in ({}, {"sam_stop_file": str(S.default_path())}):
         translate({"method": "sam", "num_speculative_tokens": 8, "sam_stop": "learned", **extra})
+
+
+# ------------------------------------------------------------------ fused kernels
+def _random_state(stop: S.LearnedStop, rng: random.Random) -> None:
+    """Calibration sums and the request's counters, as traffic would leave them."""
+    for arr in (stop.calib_hit, stop.calib_est):
+        arr[:] = np.array([rng.uniform(0, 40) for _ in range(arr.size)]).reshape(arr.shape)
+    r = stop._req["r"]
+    r.num = [rng.uniform(0, 5) for _ in S.SOURCES]
+    r.den = [n + rng.uniform(0, 5) for n in r.num]
+    r.drafts = [rng.randint(0, 60) for _ in S.SOURCES]
+    r.since_reject, r.generated = rng.randint(0, 300), rng.randint(0, 500)
+    r.last_full = float(rng.random() < 0.5)
+
+
+def test_fused_score_equals_the_numpy_functions():
+    """What propose runs (``LearnedStop.score``, one numba kernel) is
+    ``cumprod(conditional)``, ``calibrated`` and ``best_cut``: the same
+    chances to 1e-12 and the same cut, with and without shares (also too
+    few of them), agreement and support, past the last calibration band."""
+    rng = random.Random(7)
+    for trial in range(400):
+        model = S.StopModel({s: np.array([rng.uniform(-2, 2) for _ in S.FEATURES])
+                             for s in ("dynamic", "global")})
+        stop = S.LearnedStop(model)
+        stop.start("r", rng.randint(2, 200))
+        _random_state(stop, rng)
+        n = rng.randint(1, 24)
+        table = sorted((rng.random() for _ in range(n)), reverse=True)
+        shares = (None if trial % 4 == 0 else
+                  list(np.cumprod([rng.random() for _ in range(n if trial % 4 > 1 else n - 1)])))
+        agree = None if trial % 3 == 0 else np.array([float(rng.random() < 0.5)
+                                                      for _ in range(n)])
+        support = None if trial % 5 == 0 else _support(rng, n)
+        source = ("dynamic", "global")[trial % 2]
+        cost = rng.uniform(0.0, 0.4)
+        args = (rng.randint(0, 40), table, shares, n, rng.random() < 0.5, agree, support)
+        raw = np.cumprod(stop.conditional("r", source, *args))
+        q = stop.calibrated(source, raw)
+        m, rate = S.best_cut(q, cost)
+        got_raw, got_q, got_m, got_rate = stop.score("r", source, *args, cost)
+        np.testing.assert_allclose(got_raw, raw, rtol=1e-12, atol=0)
+        np.testing.assert_allclose(got_q, q, rtol=1e-12, atol=0)
+        assert (got_m, got_rate) == (m, pytest.approx(rate, rel=1e-12))
+
+
+def test_fused_score_refuses_too_few_estimates():
+    stop = S.LearnedStop(S.StopModel.load())
+    stop.start("r", 10)
+    with pytest.raises(ValueError, match="fewer estimates"):
+        stop.score("r", "dynamic", 3, [0.9, 0.8], None, 3, False, None, None, 0.05)
+
+
+def test_fused_calibration_update_equals_numpy_add_at():
+    """``observe``'s calibration update (a numba kernel) against the numpy
+    formulation it replaced, over a stream of drafts whose estimates include
+    values exactly on the bins' edges (an edge belongs to the bin above it)."""
+    rng = random.Random(11)
+    stop = S.LearnedStop(S.StopModel.load())
+    stop.start("r", 10)
+    est, hit = stop.calib_est.copy(), stop.calib_hit.copy()
+    for trial in range(500):
+        s = rng.randrange(len(S.SOURCES))
+        k = rng.randint(1, 20)
+        raw = np.cumprod([rng.uniform(0.5, 1.0) for _ in range(k)])
+        if trial % 5 == 0:
+            raw = np.sort(rng.choice(S.CALIB_EDGES.tolist()) * np.ones(k))[::-1].copy()
+        drafted = rng.randint(1, k + 3)
+        accepted = rng.randint(0, min(drafted, k))
+        stop._req["r"].pending = (s, raw, raw)
+        stop.observe("r", drafted=drafted, accepted=accepted, committed=accepted + 1)
+        n = min(drafted, k)
+        est[s] *= S.CALIB_DECAY ** n
+        hit[s] *= S.CALIB_DECAY ** n
+        bins = np.searchsorted(S.CALIB_EDGES, raw[:n], side="right")
+        bands = S.CALIB_BAND[np.minimum(np.arange(n), S.CALIB_BAND.size - 1)]
+        np.add.at(est[s], (bands, bins), raw[:n])
+        np.add.at(hit[s], (bands, bins), (np.arange(n) < accepted).astype(np.float64))
+        np.testing.assert_allclose(stop.calib_est, est, rtol=1e-13, atol=0)
+        np.testing.assert_allclose(stop.calib_hit, hit, rtol=1e-13, atol=0)
+    assert stop.calib_hit.sum() > 0

@@ -34,8 +34,9 @@ if not warm:
     drafter_module.warm_up = lambda plugin: None
 
 def signatures():
-    from vllm_specplug.proposers import corpus_automaton, global_store
-    return {f"{m.__name__}.{n}": len(f.signatures) for m in (global_store, corpus_automaton)
+    from vllm_specplug.proposers import corpus_automaton, global_store, stop_kernels
+    return {f"{m.__name__}.{n}": len(f.signatures)
+            for m in (global_store, corpus_automaton, stop_kernels)
             for n, f in vars(m).items() if isinstance(f, numba.core.dispatcher.Dispatcher)}
 
 d = drafter_module.SpecPlugDrafter(make_vllm_config(spec))
@@ -93,7 +94,10 @@ def test_no_compile_after_warm_up(method, corpus_file):
     compiled = {k for k, v in warm["before"].items() if v}
     assert {"vllm_specplug.proposers.global_store._add_document",
             "vllm_specplug.proposers.global_store._advance",
-            "vllm_specplug.proposers.global_store._frequent"} <= compiled, compiled
+            "vllm_specplug.proposers.global_store._frequent",
+            # the learned stopping rule's scoring and calibration update
+            "vllm_specplug.proposers.stop_kernels.score_kernel",
+            "vllm_specplug.proposers.stop_kernels.calibrate_kernel"} <= compiled, compiled
     if method == "sam_corpus":
         assert "vllm_specplug.proposers.corpus_automaton._advance_many" in compiled
     if method != "sam":

@@ -741,16 +741,20 @@ class SamProposer(Proposer):
                 in_prompt = source == "dynamic" and 0 <= sa.match_end() < stop.prompt_len(req_id)
                 agree = agreement(tokens, [d[2] for d in drafts if d[0] != source])
                 support = None if source == "dynamic" else sa.support(tokens)
-                p = stop.conditional(req_id, source, length, row, shares, len(tokens), in_prompt,
-                                     agree, support)
-                if stop.record is not None:
+                if stop.record is None:   # the fused kernel: the same numbers, faster
+                    raw, q, m, value = stop.score(req_id, source, length, row, shares,
+                                                  len(tokens), in_prompt, agree, support, cost)
+                else:
+                    p = stop.conditional(req_id, source, length, row, shares, len(tokens),
+                                         in_prompt, agree, support)
                     stop.record(req_id, source, tokens)
             else:   # no coefficients for it: the table's estimates
                 p = np.minimum.accumulate(np.clip(np.asarray(row[: len(tokens)]), 1e-6, 1.0))
                 p = p / np.concatenate([[1.0], p[:-1]])
-            raw = np.cumprod(p)
-            q = stop.calibrated(source, raw)
-            m, value = best_cut(q, cost)   # expected tokens per unit of verify cost
+            if not stop.handles(source) or stop.record is not None:
+                raw = np.cumprod(p)
+                q = stop.calibrated(source, raw)
+                m, value = best_cut(q, cost)   # expected tokens per unit of verify cost
             if m and value > score:
                 score, best, chosen = value, (source, length, tokens), (source, raw, q)
         if chosen is not None:

@@ -27,7 +27,11 @@ chosen draft is the best of several candidates, so its raw estimates run
 high). A fixed-size array, whatever the traffic. Per-request state (the EWMA,
 the counters) lives while the request does and is freed by ``finish``.
 
-Plain numpy: no torch, no vLLM.
+Plain numpy, and two numba kernels (``stop_kernels``: the scoring of a
+candidate and the calibration update, run for every candidate and every
+verified draft, fused so their cost is not numpy's per-call overhead
+several dozen times over; imported when a ``LearnedStop`` is built, as the
+global store's kernels are); no torch, no vLLM.
 """
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
+
 
 FORMAT = "specplug-sam-stop"
 VERSION = 2
@@ -291,10 +296,16 @@ def best_cut(q: np.ndarray, relative_cost: float) -> tuple[int, float]:
     return best_m, best_rate
 
 
+_EMPTY = np.empty(0)
+
+
 class LearnedStop:
     """The learned rule with its online calibration and per-request state."""
 
     def __init__(self, model: StopModel) -> None:
+        from . import stop_kernels   # numba: only when the rule is used
+
+        self._kernels = stop_kernels
         self.model = model
         # per source and bin: decayed sums of estimates and of outcomes
         self.calib_est = np.zeros((len(SOURCES), N_BANDS, N_BINS))
@@ -353,6 +364,36 @@ class LearnedStop:
                  / (self.calib_est[s, d, b] + CALIB_PRIOR * q))
         return np.minimum.accumulate(np.minimum(q * ratio, 1.0))
 
+    def score(self, req_id: str, source: str, match_len: int, table_p: Sequence[float],
+              shares: Sequence[float] | None, depths: int, in_prompt: bool,
+              agree: np.ndarray | None, support: Sequence[int] | None,
+              relative_cost: float) -> tuple[np.ndarray, np.ndarray, int, float]:
+        """(raw, q, m, rate) of a candidate: ``np.cumprod(conditional(...))``,
+        its ``calibrated`` chances and their ``best_cut``, computed by one
+        numba kernel (``stop_kernels.score_kernel``; a test holds it to the numpy
+        functions)."""
+        r = self._req[req_id]
+        s = SOURCES.index(source)
+        w = self.model.coef[source]
+        ewma = (r.num[s] + 1.0) / (r.den[s] + 2.0)
+        ml = math.log1p(match_len)
+        el = _logit(ewma)
+        c = (w[0] + w[3] * ml + w[8] * el + w[9] * math.log1p(r.drafts[s])
+             + w[10] * math.log1p(r.since_reject) + (w[11] if in_prompt else 0.0)
+             + w[12] * math.log1p(r.generated) + w[13] * r.last_full)
+        a1 = w[1] + w[14] * ml + w[15] * el
+        sh = (np.asarray(shares[:depths], dtype=np.float64)
+              if shares is not None and len(shares) >= depths else _EMPTY)
+        ag = _EMPTY if agree is None else np.asarray(agree[:depths], dtype=np.float64)
+        sp = _EMPTY if support is None else np.asarray(support[:depths], dtype=np.float64)
+        tp = np.asarray(table_p[:depths], dtype=np.float64)
+        if tp.size < depths or (agree is not None and ag.size < depths) or (
+                support is not None and sp.size < depths):
+            raise ValueError(f"score: fewer estimates than the draft's {depths} positions")
+        return self._kernels.score_kernel(w, depths, float(c), float(a1), tp, sh, ag, sp,
+                             self.calib_hit[s], self.calib_est[s], CALIB_EDGES, CALIB_BAND,
+                             CALIB_PRIOR, float(relative_cost), _CLIP, float(SUPPORT_CAP))
+
     def cut(self, source: str, q: np.ndarray, relative_cost: float, explore: bool) -> int:
         """Kept length of a draft whose calibrated chances are ``q``
         (``best_cut``); with ``explore``, one more on every
@@ -403,10 +444,5 @@ class LearnedStop:
         r.den[s] = (1 - EWMA_RATE) * r.den[s] + accepted + (1 if rejected else 0)
         r.drafts[s] += 1
         n = min(drafted, raw.size)
-        decay = CALIB_DECAY ** n
-        self.calib_est[s] *= decay
-        self.calib_hit[s] *= decay
-        bins = np.searchsorted(CALIB_EDGES, raw[:n], side="right")
-        bands = CALIB_BAND[np.minimum(np.arange(n), CALIB_BAND.size - 1)]
-        np.add.at(self.calib_est[s], (bands, bins), raw[:n])
-        np.add.at(self.calib_hit[s], (bands, bins), (np.arange(n) < accepted).astype(np.float64))
+        self._kernels.calibrate_kernel(self.calib_est[s], self.calib_hit[s], raw, n, accepted,
+                          CALIB_DECAY ** n, CALIB_EDGES, CALIB_BAND)
