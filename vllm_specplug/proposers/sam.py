@@ -288,6 +288,16 @@ def _check_corpus(value: str) -> str | None:
     return None
 
 
+def _cut(stop: LearnedStop, source: str, p: np.ndarray, cost: float):
+    """(raw, q, m, rate) of a candidate from its per-position conditional
+    chances ``p``: through-position chances, calibrated, and their best cut
+    (expected tokens per unit of verify cost)."""
+    raw = np.cumprod(p)
+    q = stop.calibrated(source, raw)
+    m, rate = best_cut(q, cost)
+    return raw, q, m, rate
+
+
 class SamProposer(Proposer):
     name: ClassVar[str] = "sam"
     # a ceiling: each draft's length comes from the learned acceptance and the
@@ -741,20 +751,17 @@ class SamProposer(Proposer):
                 in_prompt = source == "dynamic" and 0 <= sa.match_end() < stop.prompt_len(req_id)
                 agree = agreement(tokens, [d[2] for d in drafts if d[0] != source])
                 support = None if source == "dynamic" else sa.support(tokens)
-                if stop.record is None:   # the fused kernel: the same numbers, faster
+                if stop.record is None:   # one numba kernel: the numbers of the numpy path
                     raw, q, m, value = stop.score(req_id, source, length, row, shares,
                                                   len(tokens), in_prompt, agree, support, cost)
-                else:
+                else:   # recording candidates (fit-stop): the numpy functions
                     p = stop.conditional(req_id, source, length, row, shares, len(tokens),
                                          in_prompt, agree, support)
                     stop.record(req_id, source, tokens)
+                    raw, q, m, value = _cut(stop, source, p, cost)
             else:   # no coefficients for it: the table's estimates
                 p = np.minimum.accumulate(np.clip(np.asarray(row[: len(tokens)]), 1e-6, 1.0))
-                p = p / np.concatenate([[1.0], p[:-1]])
-            if not stop.handles(source) or stop.record is not None:
-                raw = np.cumprod(p)
-                q = stop.calibrated(source, raw)
-                m, value = best_cut(q, cost)   # expected tokens per unit of verify cost
+                raw, q, m, value = _cut(stop, source, p / np.concatenate([[1.0], p[:-1]]), cost)
             if m and value > score:
                 score, best, chosen = value, (source, length, tokens), (source, raw, q)
         if chosen is not None:
