@@ -14,8 +14,19 @@ from ..jit import njit
 
 
 @njit
+def _cell(edges, band, i, x):
+    """(depth band, bin) of position ``i`` with estimate ``x``: the bin is
+    ``np.searchsorted(edges, x, side="right")`` (an edge belongs to the bin
+    above it), the band ``band[min(i, last)]``, as ``stop_rule`` bins them."""
+    b = 0
+    while b < edges.size and edges[b] <= x:
+        b += 1
+    return band[min(i, band.size - 1)], b
+
+
+@njit
 def score_kernel(w, depths, c, a1, table_p, shares, agree, support, hit, est, edges, band,
-                  prior, cost, clip, support_cap):
+                 prior, cost, clip, support_cap):
     """``conditional`` then ``np.cumprod``, ``calibrated`` and ``best_cut`` in
     one pass, the same operations in the same order: (raw, q, m, rate). An
     empty ``shares``/``agree``/``support`` stands for None; ``c`` and ``a1``
@@ -53,10 +64,7 @@ def score_kernel(w, depths, c, a1, table_p, shares, agree, support, hit, est, ed
             z += w[21] * math.log1p(min(sup, support_cap))
         acc = acc * (1.0 / (1.0 + math.exp(-z)))
         raw[i] = acc
-        b = 0
-        while b < edges.size and edges[b] <= acc:
-            b += 1
-        d = band[min(i, band.size - 1)]
+        d, b = _cell(edges, band, i, acc)
         ratio = (hit[d, b] + prior * acc) / (est[d, b] + prior * acc)
         v = min(acc * ratio, 1.0)
         q_min = min(q_min, v)
@@ -76,10 +84,7 @@ def calibrate_kernel(est, hit, raw, n, accepted, decay, edges, band):
     est *= decay
     hit *= decay
     for i in range(n):
-        b = 0
-        while b < edges.size and edges[b] <= raw[i]:
-            b += 1
-        d = band[min(i, band.size - 1)]
+        d, b = _cell(edges, band, i, raw[i])
         est[d, b] += raw[i]
         if i < accepted:
             hit[d, b] += 1.0

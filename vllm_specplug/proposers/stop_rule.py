@@ -42,7 +42,6 @@ from typing import Sequence
 
 import numpy as np
 
-
 FORMAT = "specplug-sam-stop"
 VERSION = 2
 #: feature names, in the coefficient order of the file
@@ -158,6 +157,10 @@ class _Request:
         # (source index, conditional probabilities of the drafted positions)
         self.pending: tuple[int, np.ndarray] | None = None
 
+    def ewma(self, s: int) -> float:
+        """This request's recent acceptance from source ``s`` (a Beta(1, 1) prior)."""
+        return (self.num[s] + 1.0) / (self.den[s] + 2.0)
+
 
 def features(depths: int, match_len: int, table_p: Sequence[float],
              shares: Sequence[float] | None, ewma: float, ewma_drafts: int,
@@ -231,6 +234,19 @@ def _cond_logit(cum: Sequence[float], depths: int) -> np.ndarray:
     return np.log(step / (1.0 - step))
 
 
+def _draft_terms(w: np.ndarray, match_len: int, ewma: float, ewma_drafts: int,
+                 since_reject: int, in_prompt: bool, generated: int,
+                 last_full: float) -> tuple[float, float]:
+    """The logit's terms that are the same at every position of one draft:
+    (the constant, the coefficient of log1p(depth))."""
+    ml = math.log1p(match_len)
+    el = _logit(ewma)
+    c = (w[0] + w[3] * ml + w[8] * el + w[9] * math.log1p(ewma_drafts)
+         + w[10] * math.log1p(since_reject) + (w[11] if in_prompt else 0.0)
+         + w[12] * math.log1p(generated) + w[13] * last_full)
+    return c, w[1] + w[14] * ml + w[15] * el
+
+
 def logits(w: np.ndarray, depths: int, match_len: int, table_p: Sequence[float],
            shares: Sequence[float] | None, ewma: float, ewma_drafts: int,
            since_reject: int, in_prompt: bool, generated: int, last_full: float,
@@ -242,13 +258,10 @@ def logits(w: np.ndarray, depths: int, match_len: int, table_p: Sequence[float],
     if depths > _DEPTH_LOG.size:
         _DEPTH_LOG = np.log1p(np.arange(2 * depths, dtype=np.float64))
     dl = _DEPTH_LOG[:depths]
-    ml = math.log1p(match_len)
-    el = _logit(ewma)
     tl = _cond_logit(table_p, depths)
-    c = (w[0] + w[3] * ml + w[8] * el + w[9] * math.log1p(ewma_drafts)
-         + w[10] * math.log1p(since_reject) + (w[11] if in_prompt else 0.0)
-         + w[12] * math.log1p(generated) + w[13] * last_full)
-    z = (w[1] + w[14] * ml + w[15] * el) * dl
+    c, a1 = _draft_terms(w, match_len, ewma, ewma_drafts, since_reject, in_prompt, generated,
+                         last_full)
+    z = a1 * dl
     z += (w[4] + w[16] * dl) * tl
     z += c
     z[0] += w[2]
@@ -344,8 +357,7 @@ class LearnedStop:
         before (the model's raw estimates)."""
         r = self._req[req_id]
         s = SOURCES.index(source)
-        ewma = (r.num[s] + 1.0) / (r.den[s] + 2.0)
-        args = (depths, match_len, table_p, shares, ewma, r.drafts[s], r.since_reject,
+        args = (depths, match_len, table_p, shares, r.ewma(s), r.drafts[s], r.since_reject,
                 in_prompt, r.generated, r.last_full, agree, support)
         if self.record is not None:
             self.last_features = features(*args)
@@ -375,13 +387,8 @@ class LearnedStop:
         r = self._req[req_id]
         s = SOURCES.index(source)
         w = self.model.coef[source]
-        ewma = (r.num[s] + 1.0) / (r.den[s] + 2.0)
-        ml = math.log1p(match_len)
-        el = _logit(ewma)
-        c = (w[0] + w[3] * ml + w[8] * el + w[9] * math.log1p(r.drafts[s])
-             + w[10] * math.log1p(r.since_reject) + (w[11] if in_prompt else 0.0)
-             + w[12] * math.log1p(r.generated) + w[13] * r.last_full)
-        a1 = w[1] + w[14] * ml + w[15] * el
+        c, a1 = _draft_terms(w, match_len, r.ewma(s), r.drafts[s], r.since_reject, in_prompt,
+                             r.generated, r.last_full)
         sh = (np.asarray(shares[:depths], dtype=np.float64)
               if shares is not None and len(shares) >= depths else _EMPTY)
         ag = _EMPTY if agree is None else np.asarray(agree[:depths], dtype=np.float64)
@@ -391,8 +398,9 @@ class LearnedStop:
                 support is not None and sp.size < depths):
             raise ValueError(f"score: fewer estimates than the draft's {depths} positions")
         return self._kernels.score_kernel(w, depths, float(c), float(a1), tp, sh, ag, sp,
-                             self.calib_hit[s], self.calib_est[s], CALIB_EDGES, CALIB_BAND,
-                             CALIB_PRIOR, float(relative_cost), _CLIP, float(SUPPORT_CAP))
+                                          self.calib_hit[s], self.calib_est[s], CALIB_EDGES,
+                                          CALIB_BAND, CALIB_PRIOR, float(relative_cost), _CLIP,
+                                          float(SUPPORT_CAP))
 
     def cut(self, source: str, q: np.ndarray, relative_cost: float, explore: bool) -> int:
         """Kept length of a draft whose calibrated chances are ``q``
@@ -445,4 +453,4 @@ class LearnedStop:
         r.drafts[s] += 1
         n = min(drafted, raw.size)
         self._kernels.calibrate_kernel(self.calib_est[s], self.calib_hit[s], raw, n, accepted,
-                          CALIB_DECAY ** n, CALIB_EDGES, CALIB_BAND)
+                                       CALIB_DECAY ** n, CALIB_EDGES, CALIB_BAND)
