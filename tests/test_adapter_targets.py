@@ -56,6 +56,10 @@ VLLM_ATTRIBUTES = [
     # tenancy.py (cross-request memory kept apart by cache_salt and LoRA adapter)
     ("vllm.v1.request", "Request", "cache_salt"),
     ("vllm.v1.core.sched.output", "SchedulerOutput", "scheduled_new_reqs"),
+    # queue_state.py (the waiting queue's length sent to the workers) and
+    # drafter.py (finished requests, for the draining batch's valuation)
+    ("vllm.v1.core.sched.scheduler", "Scheduler", "get_request_counts"),
+    ("vllm.v1.core.sched.output", "SchedulerOutput", "finished_req_ids"),
     # drafter.py (malloc_trim only in a step that schedules nothing)
     ("vllm.v1.core.sched.output", "SchedulerOutput", "total_num_scheduled_tokens"),
     ("vllm.v1.core.sched.output", "NewRequestData", "req_id"),

@@ -196,7 +196,7 @@ def test_requests_preempted_and_never_finished_are_bounded(patch_calls, monkeypa
     for i in range(40):
         d.note_scheduler_output(NS(scheduled_new_reqs=[NS(req_id=f"r{i}",
                                                           specplug_cache_salt="s")],
-                                   total_num_scheduled_tokens=1))
+                                   total_num_scheduled_tokens=1, finished_req_ids=set()))
         step(d, [f"r{i}"], [[1, 2, 3, 1]], [[1]])
         step(d, [], [], [])                       # r{i} leaves unfinished: preempted
     sizes = d.stats()["sizes"]
@@ -206,6 +206,20 @@ def test_requests_preempted_and_never_finished_are_bounded(patch_calls, monkeypa
         d.finish_request(f"r{i}")
     sizes = d.stats()["sizes"]
     assert (sizes["drafter_preempted"], sizes["drafter_salts"]) == (0, 0), sizes
+
+
+def test_drain_windows_are_bounded():
+    """``DrainValuation.open`` (``sizes.drain_open``): at most ``MAX_OPEN``
+    finishes wait for a refill, and each waits at most ``WINDOW`` steps."""
+    from vllm_specplug.budget import DrainValuation
+
+    v = DrainValuation()
+    for _ in range(50):
+        v.note_step(0, 0, 500, 5)
+        assert len(v.open) <= DrainValuation.MAX_OPEN
+    for _ in range(DrainValuation.WINDOW + 1):
+        v.note_step(0, 0, 0, 5)
+    assert not v.open and v.expired >= DrainValuation.MAX_OPEN
 
 
 def test_calibration_pending_bounded(monkeypatch):

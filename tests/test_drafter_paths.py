@@ -114,7 +114,7 @@ def test_the_proposer_starts_a_request_with_its_tenant(patch_calls, monkeypatch)
     _attach(d, {"a": state})
     d.note_scheduler_output(NS(scheduled_new_reqs=[NS(req_id="a",
                                                      specplug_cache_salt="salt-a")],
-                               total_num_scheduled_tokens=1))
+                               total_num_scheduled_tokens=1, finished_req_ids=set()))
     got = []
     orig = d.proposer.start
     monkeypatch.setattr(d.proposer, "start", lambda req_id, tokens, info=None: (
@@ -300,7 +300,8 @@ def test_finish_forgets_the_request(drafter):
 
 
 def _so(scheduled_tokens):
-    return NS(scheduled_new_reqs=[], total_num_scheduled_tokens=scheduled_tokens)
+    return NS(scheduled_new_reqs=[], total_num_scheduled_tokens=scheduled_tokens,
+              finished_req_ids=set())
 
 
 def test_malloc_trim_runs_only_in_a_step_that_schedules_nothing(drafter, monkeypatch):

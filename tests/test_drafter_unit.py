@@ -51,6 +51,9 @@ def test_construction(patch_calls):
     assert stats.pop("calibration") == {"ratio": 1.0, "settled": 0, "accepted": 0.0,
                                         "expected": 0.0}
     assert stats.pop("exploration") == {"settled": 0, "hits": 0.0, "tries": 0.0}
+    # no scheduler output yet: the queue is unknown, so the batch never drains
+    assert stats.pop("drain") == {"waiting": None, "refill": 0.0, "refills": 0, "expired": 0,
+                                  "open": 0, "drain_steps": 0}
     assert stats.pop("faults") == {"requests": 0, "steps": 0, "hooks": {},
                                    "requests_without_drafts": 0}
     # the goodput controller and backoff: off by default, nothing recorded
@@ -501,7 +504,7 @@ def _attach(d, states):
     d.runner = _Runner(states)
     d.note_scheduler_output(SimpleNamespace(
         scheduled_new_reqs=[SimpleNamespace(req_id=r, specplug_cache_salt=None) for r in states],
-        total_num_scheduled_tokens=len(states)))
+        total_num_scheduled_tokens=len(states), finished_req_ids=set()))
 
 
 @pytest.mark.parametrize("generated, max_tokens, want", [
@@ -590,7 +593,7 @@ def test_finish_frees_a_request_whatever_path_it_left_by(drafter, monkeypatch):
                         lambda req_id: (completed.append(req_id), complete(req_id))[1])
     drafter.note_scheduler_output(NS(scheduled_new_reqs=[
         NS(req_id=r, specplug_cache_salt=f"salt-{r}") for r in ("a", "b", "c")],
-        total_num_scheduled_tokens=3))
+        total_num_scheduled_tokens=3, finished_req_ids=set()))
     assert {"a", "b", "c"} <= set(drafter.requests.holding("salt"))
     hists = [[1, 2, 1, 2], [3, 4, 3, 4], [5, 6, 5, 6]]
     step(drafter, ["a", "b", "c"], hists, [[2], [4], [6]])

@@ -66,8 +66,14 @@ def test_sam_metrics_and_tau_on_repetitive_categories(get_llm, spec_bench_prompt
     # The default batch-aware budget ran on these 4-request steps and kept at
     # most what the proposer drafted (how much it cuts depends on the verify
     # cost measured on this machine: tests/test_batch_budget.py checks that).
-    b = llm.llm_engine.collective_rpc(_drafter_stats)[0]["batch_budget"]
+    stats = llm.llm_engine.collective_rpc(_drafter_stats)[0]
+    b = stats["batch_budget"]
     assert b["steps"] > 0 and 0 < b["nodes_kept"] <= b["nodes_proposed"], b
+    # the scheduler's queue reached the worker (the Scheduler.schedule patch
+    # ran in the engine core), and this offline batch, nothing waiting and
+    # nothing refilling it, was valued as draining (budget.DrainValuation)
+    drain = stats["drain"]
+    assert drain["waiting"] == 0 and drain["drain_steps"] > 0 and drain["refills"] == 0, drain
 
 
 def test_sam_requests_state_is_freed(get_llm, spec_bench_prompts):

@@ -358,7 +358,8 @@ def test_drafter_keeps_salted_requests_apart(patch_calls):
 
     def step(req_ids, hists, new=()):
         d.note_scheduler_output(SimpleNamespace(scheduled_new_reqs=list(new),
-                                                total_num_scheduled_tokens=len(req_ids)))
+                                                total_num_scheduled_tokens=len(req_ids),
+                                                finished_req_ids=set()))
         d.begin_step(list(req_ids), None)
         n, ids = arrays(hists)
         return d.propose([[h[-1]] for h in hists], n, ids)

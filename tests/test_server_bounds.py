@@ -26,6 +26,7 @@ SPEC = {"method": "sam_tr", "num_speculative_tokens": K, "sam_global_tokens": ST
 
 def test_structures_stay_within_their_bounds(model_path, tmp_path):
     from vllm_specplug.bench.soak import run_served, soak_requests
+    from vllm_specplug.budget import DrainValuation
     from vllm_specplug.proposers.global_store import GlobalStore
     from vllm_specplug.proposers.sam import MAX_BUCKET
     from vllm_specplug.proposers.token_recycling import ROW_GROWTH
@@ -66,6 +67,7 @@ def test_structures_stay_within_their_bounds(model_path, tmp_path):
     assert sizes.pop("sam_acceptance_cache") <= 3 * 2 * (MAX_BUCKET + 1)
     assert sizes.pop("tr_template_cache") <= K + 1
     assert sizes.pop("tr_matrices") <= 8              # tr_tenants (live matrices)
+    assert sizes.pop("drain_open") <= DrainValuation.MAX_OPEN   # finishes of the last WINDOW steps
     assert not sizes, f"a new structure without a bound asserted here: {sizes}"
     # the store: full and evicting, within its tokens and bytes
     sam = last["proposer"]["sam"]

@@ -358,7 +358,7 @@ class _Runner:
         self.d.note_scheduler_output(SimpleNamespace(
             scheduled_new_reqs=[SimpleNamespace(req_id=r, **{tenancy.SALT_ATTR: s})
                                 for r, s in (new or {}).items()],
-            total_num_scheduled_tokens=len(hists)))
+            total_num_scheduled_tokens=len(hists), finished_req_ids=set()))
         req_ids = list(hists)
         self.d.begin_step(req_ids, None)
         n, ids = arrays([hists[r] for r in req_ids])

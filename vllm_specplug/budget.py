@@ -438,13 +438,22 @@ def allocate_batch(drafts: list, a: float, b: float, rows: int, scale: float = 1
 def allocate_batch_exploring(drafts: list, a: float, b: float, rows: int,
                              scale: float = 1.0, explore: int = 0,
                              margin: float = 0.5,
-                             explored_masks: list | None = None) -> tuple[list, int]:
+                             explored_masks: list | None = None,
+                             row_values: list | None = None) -> tuple[list, int]:
     """``allocate_batch``, then up to ``explore`` more nodes that do not pay
     for themselves on their current estimates, the most likely first, each
     with an estimate (before ``scale``) above ``margin`` times the value it
     had to beat; returns (drafts, nodes taken that way). ``explored_masks``,
     when given (an empty list), receives per row a boolean mask over the
     returned draft's nodes: True where the node was taken by exploration.
+
+    ``row_values`` (a draining batch, ``DrainValuation``): seconds of engine
+    time one accepted token of each row saves. A node of row i is then
+    worth ``v * row_values[i]`` seconds against the ``b`` its verification
+    costs; nodes go most valuable first, and the bar a node of row i must
+    beat is ``b / row_values[i]`` (instead of the batch's tokens per second,
+    which values every row's token at its share of the step: right when a
+    request that finishes early is replaced, not when the batch drains).
 
     Exploration: an estimate learns only from nodes that are verified, so
     without it a batch whose estimates start (or fall) below the bar never
@@ -459,24 +468,28 @@ def allocate_batch_exploring(drafts: list, a: float, b: float, rows: int,
 
     n_tokens = float(rows)
     expected = float(rows)
-    cands: list[tuple[float, int, int]] = []
+    cands: list[tuple[float, int, int, float, float]] = []
     for i, d in enumerate(drafts):
         if d.scores is None:
             n_tokens += len(d)
             continue
         raw = monotone_values(d.scores, d.parents)
         m = np.minimum(raw * float(scale), 1.0)
-        # (-value, index, row, estimate): a parent precedes its children
-        # (higher or equal value, lower index), and equal values go to
-        # shallow nodes of any row before deep ones of one row
-        cands.extend((-float(x), j, i, float(r)) for j, (x, r) in enumerate(zip(m, raw)))
+        worth = 1.0 if row_values is None else float(row_values[i])
+        # (-merit, index, row, estimate, value): a parent precedes its
+        # children (higher or equal merit, lower index), and equal merits go
+        # to shallow nodes of any row before deep ones of one row
+        cands.extend((-float(x) * worth, j, i, float(r), float(x))
+                     for j, (x, r) in enumerate(zip(m, raw)))
     cands.sort()
     keep = [np.zeros(len(d), dtype=bool) for d in drafts]
     explored_at: list[tuple[int, int]] = []   # (row, node) taken by exploring
     explored = 0
-    for neg_v, j, i, estimate in cands:
-        v = -neg_v
-        bar = expected * b / (a + b * n_tokens)
+    for _, j, i, estimate, v in cands:
+        if row_values is None:
+            bar = expected * b / (a + b * n_tokens)
+        else:
+            bar = b / row_values[i] if row_values[i] > 0 else float("inf")
         if v <= bar:
             if explored >= explore or estimate <= margin * bar:
                 break
@@ -565,6 +578,108 @@ class ExplorationYield(PendingDrafts):
         if bar is not None:
             out["factor"] = round(self.factor(bar), 4)
         return out
+
+
+class DrainValuation:
+    """What an accepted token is worth when the batch drains.
+
+    The batch budget's usual rule (``allocate_batch``) maximises the batch's
+    tokens per second: a token accepted on any row is worth that row's share
+    of the step, because a request that finishes earlier is replaced by the
+    next one, waiting or arriving. In a batch that nothing refills (an
+    offline ``LLM.generate`` of N prompts, once its queue is empty) the
+    batch runs until its slowest request finishes. A token accepted on a
+    row that will finish before the slowest one then saves only that row's
+    own cost for a step (``c_row``); the step's fixed part (``c0``) is saved
+    only when the rows that finish last get there sooner. So (``values``):
+
+        value(row) = c_row + c0 * [row is among the last to finish] / n_last
+
+    where a row's remaining steps are its tokens left over its tokens per
+    step so far, and the last to finish are the rows within ``TIE_STEPS``
+    (plus ``TIE_SHARE`` of it) of the most remaining steps. At the
+    equilibrium where every row would finish together, this is the row's
+    share of the step again.
+
+    Whether finished requests' slots are refilled is learned (``note_step``):
+    a request that finishes while others run opens a window of
+    ``WINDOW`` steps; a request that arrives while the queue was empty and
+    others ran closes every open window as refilled (1), and a window that
+    expires, or that the batch's emptying closes, counts 0. ``refill`` is their exponentially weighted mean,
+    starting at 0 with weight 1 (a fresh engine's first batch is valued as
+    draining; one observed refill turns that off). The batch drains when
+    the scheduler's queue is empty and ``refill`` is below one half; with
+    the queue's length unknown it never does (the usual rule)."""
+
+    WINDOW = 16
+    DECAY = 0.8
+    MAX_OPEN = 1024
+    TIE_STEPS = 1.0
+    TIE_SHARE = 0.05
+
+    def __init__(self) -> None:
+        self.refilled = 0.0
+        self.weight = 1.0
+        self.open: list[int] = []    # steps at which a finished slot opened
+        self.step = 0
+        self.waiting: int | None = None
+        self.refills = 0
+        self.expired = 0
+        self.drain_steps = 0
+
+    @property
+    def refill(self) -> float:
+        return self.refilled / self.weight
+
+    def _settle(self, value: float) -> None:
+        self.refilled = self.refilled * self.DECAY + value
+        self.weight = self.weight * self.DECAY + 1.0
+
+    def note_step(self, waiting: int | None, arrived: int, finished: int,
+                  still_running: int) -> None:
+        """One scheduler step: the queue's length after it (None: unknown),
+        the requests it brings, and the requests that finished since the last
+        step; ``still_running``: requests of the last step that did not finish."""
+        prev_waiting, self.waiting = self.waiting, waiting
+        self.step += 1
+        while self.open and (self.step - self.open[0] > self.WINDOW or not still_running):
+            # expired, or the batch emptied first: those slots were not refilled
+            # (a batch submitted one request at a time may start with one
+            # request and take the rest a step later: no refill either)
+            self.open.pop(0)
+            self.expired += 1
+            self._settle(0.0)
+        if arrived and still_running and prev_waiting == 0 and self.open:
+            # a request from outside took a slot while the queue was empty
+            self.refills += len(self.open)
+            for _ in self.open:
+                self._settle(1.0)
+            self.open = []
+        if finished and still_running:
+            self.open.extend([self.step] * min(finished, self.MAX_OPEN - len(self.open)))
+
+    @property
+    def draining(self) -> bool:
+        return self.waiting == 0 and self.refill < 0.5
+
+    def values(self, c0: float, c_row: float, remaining: list) -> list[float]:
+        """Seconds an accepted token of each row saves (class doc);
+        ``remaining``: each row's expected steps left (inf: unbounded)."""
+        if not remaining:
+            return []
+        last = max(remaining)
+        if np.isinf(last):
+            crit = [np.isinf(r) for r in remaining]
+        else:
+            tie = self.TIE_STEPS + self.TIE_SHARE * last
+            crit = [r >= last - tie for r in remaining]
+        n = max(sum(crit), 1)
+        return [c_row + (c0 / n if c else 0.0) for c in crit]
+
+    def stats(self) -> dict:
+        return {"waiting": self.waiting, "refill": round(self.refill, 4),
+                "refills": self.refills, "expired": self.expired,
+                "open": len(self.open), "drain_steps": self.drain_steps}
 
 
 def subset(draft, keep: np.ndarray):

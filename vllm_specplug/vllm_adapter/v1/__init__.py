@@ -120,6 +120,13 @@ EXTRA_ARGS_PATCH = Patch(
     why="refuse a malformed extra_args['specplug'] (the per-request opt-out of "
         "cross-request memory) where vLLM validates the request")
 
+SCHEDULE_PATCH = Patch(
+    name="Scheduler.schedule",
+    module="vllm.v1.core.sched.scheduler", cls="Scheduler", attr="schedule",
+    make=_lazy(".queue_state", "make_schedule"),
+    why="send the waiting queue's length to the workers with each step, where the "
+        "batch budget values drafts by whether the batch drains (budget.DrainValuation)")
+
 UPDATE_STATES_PATCH = Patch(
     name="GPUModelRunner._update_states",
     module="vllm.v1.worker.gpu_model_runner", cls="GPUModelRunner", attr="_update_states",
@@ -129,7 +136,8 @@ UPDATE_STATES_PATCH = Patch(
         "nothing, after their finished requests are freed",
     args=("scheduler_output",))
 
-PATCHES = (ENGINE_ARGS_PATCH, NEW_REQUEST_SALT_PATCH, EXTRA_ARGS_PATCH, RUNNER_PATCH,
+PATCHES = (ENGINE_ARGS_PATCH, NEW_REQUEST_SALT_PATCH, EXTRA_ARGS_PATCH, SCHEDULE_PATCH,
+           RUNNER_PATCH,
            REQUEST_REMOVED_PATCH, UPDATE_STATES_PATCH, AUX_HIDDEN_PATCH, SAMPLE_PATCH, CPU_EXPAND_PATCH,
            TREE_PREPARE_PATCH, CPU_TREE_BACKEND_PATCH,
            FLASH_TREE_BACKEND_PATCH)
@@ -147,6 +155,7 @@ def install() -> None:
     apply(ENGINE_ARGS_PATCH)
     apply(NEW_REQUEST_SALT_PATCH)
     apply(EXTRA_ARGS_PATCH)
+    apply(SCHEDULE_PATCH)
 
 
 def install_worker_patches() -> None:

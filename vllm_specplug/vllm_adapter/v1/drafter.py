@@ -29,7 +29,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from ...budget import (SAVE_EVERY, AcceptanceCalibration, ExplorationYield, StepCostModel,
-                      allocate_batch_exploring, expected_accepted, load_prior, save_fit, subset)
+                      DrainValuation, allocate_batch_exploring, expected_accepted, load_prior,
+                      save_fit, subset)
 from ... import faults, malloc_trim
 from ...config import ADDITIONAL_CONFIG_KEY, ISOLATION_KEY, build_proposer
 from ...goodput import GoodputController, RequestBackoff
@@ -38,6 +39,7 @@ from ...tree import depths
 from ...warmup import enabled as warmup_enabled
 from ...warmup import warm_up
 from . import stats_export, tenancy
+from .queue_state import waiting_of
 from .drafter_state import DrafterState
 from .request_state import FieldView, RequestRecords, StepBudget
 from .step_state import StepTrees, bind_tree_layers
@@ -166,6 +168,9 @@ class SpecPlugDrafter(DrafterState):
         # accepted against expected tokens of the drafts kept in batch steps
         self.calibration = AcceptanceCalibration(FieldView(self.requests, "expected"))
         self.exploration = ExplorationYield(FieldView(self.requests, "explored"))
+        # whether the batch drains (nothing waits; finished slots not
+        # refilled), and what a row's accepted token is worth then
+        self.drain = DrainValuation()
         # Target top-k of the step just verified (set by the _sample patch):
         # req_id -> TargetTopK, consumed by the next propose().
         self.target_topk_k = (int(self.proposer.target_topk_k)
@@ -296,9 +301,13 @@ class SpecPlugDrafter(DrafterState):
         disabled = disabled or step_fault
         proposed: list[Draft] = []
         live = set()
+        draining = self.drain.draining and decoding >= 2
+        remaining: list[float] = []   # each row's expected steps left (draining)
         for row, sampled in enumerate(sampled_token_ids):
             req_id = req_ids[row]
             live.add(req_id)
+            if draining:
+                remaining.append(self._steps_left(req_id, int(num_tokens_no_spec[row])))
             # partial prefill or discarded row; a request that faulted
             if not sampled or req_id in self.containment:
                 proposed.append(Draft.empty())
@@ -316,6 +325,7 @@ class SpecPlugDrafter(DrafterState):
             self.requests.preempt(req_id, MAX_PREEMPTED)
             self._forget(req_id)
         self.budget.req_ids = req_ids
+        self.budget.remaining = remaining if draining else None
         try:
             proposed = self._fit_to_batch(proposed, decoding)
             proposed = self._goodput_caps(req_ids, sampled_token_ids, proposed)
@@ -400,6 +410,8 @@ class SpecPlugDrafter(DrafterState):
         if (seen is not None and seen[0] <= n
                 and int(token_ids_cpu[row, seen[0] - 1]) == seen[1]):
             if n > seen[0]:  # the last step committed n - seen[0] tokens (one not drafted)
+                rec.committed += n - seen[0]
+                rec.steps += 1
                 self.calibration.settle(req_id, n - seen[0] - 1)
                 self.exploration.settle(req_id, n - seen[0] - 1)
                 self.backoff.settle(req_id, n - seen[0] - 1)
@@ -421,6 +433,7 @@ class SpecPlugDrafter(DrafterState):
                     self.runner.requests[req_id].sampling_params))
             rec.cap = tenancy.draft_cap(self.runner, req_id)
             rec.preempted = False
+            rec.committed = rec.steps = 0
             start_request(self.proposer, req_id, token_ids_cpu[row, :n].tolist(), info)
             if topk is not None:
                 self._hook = "observe"
@@ -466,6 +479,16 @@ class SpecPlugDrafter(DrafterState):
             return None
         return max(params.max_tokens - (n - state.num_prompt_tokens) - 1, 0)
 
+    def _steps_left(self, req_id: str, n: int) -> float:
+        """The request's expected steps left: its tokens left over its tokens
+        a step so far (inf without a bound)."""
+        left = self._tokens_left(req_id, n)
+        if left is None:
+            return float("inf")
+        rec = self.requests.get(req_id)
+        pace = 1.0 if rec is None else (rec.committed + 1) / (rec.steps + 1)
+        return (left + 1) / pace
+
     def _fit_to_batch(self, drafts: list[Draft], decoding: int) -> list[Draft]:
         """Batch-aware budgets (``disable_by_batch_size`` is applied before
         proposing, in ``propose``): with ``batch_budget`` "auto" and two or
@@ -489,11 +512,18 @@ class SpecPlugDrafter(DrafterState):
                  if b > 0 else float(proposed))
         self.budget.explore_nodes = min(self.budget.explore_nodes + share, EXPLORE_CARRY * share)
         req_ids = self.budget.req_ids
+        values = None
+        if self.budget.remaining is not None:
+            # a draining batch: a row's token is worth what finishing it a
+            # step sooner saves (DrainValuation)
+            c0, c_row, _ = self.step_cost.coefficients()
+            values = self.drain.values(float(c0), float(c_row), self.budget.remaining)
+            self.drain.drain_steps += 1
         masks: list = []
         out, explored = allocate_batch_exploring(drafts, a, b, decoding,
                                                  scale=self.calibration.ratio,
                                                  explore=int(self.budget.explore_nodes),
-                                                 explored_masks=masks)
+                                                 explored_masks=masks, row_values=values)
         self.budget.explore_nodes -= explored
         stats["steps"] += 1
         stats["nodes_explored"] += explored
@@ -568,7 +598,14 @@ class SpecPlugDrafter(DrafterState):
         ``cache_salt`` of the step's new requests (``tenancy``)."""
         if scheduler_output is not None:   # None: driven without vLLM's scheduler (unit tests)
             self._scheduled = True
-            for req_id, salt in tenancy.new_request_salts(scheduler_output):
+            new = tenancy.new_request_salts(scheduler_output)
+            # before the new requests' records: the requests that ran
+            running = self.requests.running()
+            finished = scheduler_output.finished_req_ids
+            done = sum(1 for r in running if r in finished)
+            self.drain.note_step(waiting_of(scheduler_output), len(new), done,
+                                 len(running) - done)
+            for req_id, salt in new:
                 self.requests.record(req_id).salt = salt
         # a step that schedules nothing: vLLM runs one to free the last
         # finished requests; every rank sees the same scheduler output
@@ -655,7 +692,7 @@ class SpecPlugDrafter(DrafterState):
                "state_bytes": self.proposer.state_nbytes(),
                "errors": self.containment.errors, "trees_held": len(self.trees),
                "faults": self.containment.stats(),
-               "batch_budget": dict(self.batch_stats),
+               "batch_budget": dict(self.batch_stats), "drain": self.drain.stats(),
                "propose_time": dict(self.propose_time),
                "goodput": self.goodput.stats(), "backoff": self.backoff.stats(),
                "calibration": self.calibration.stats(),
@@ -678,6 +715,7 @@ class SpecPlugDrafter(DrafterState):
                         "request_caps": count("cap"),
                         "calibration_pending": count("expected"),
                         "exploration_pending": count("explored"),
+                        "drain_open": len(self.drain.open),
                         "pending_topk": len(self.pending_topk),
                         **self.proposer.structure_sizes()}
         out["malloc_trim"] = self.malloc_trim.stats()

@@ -66,6 +66,10 @@ class RequestRecord:
     #: how deep its kept draft reached on merit and with explored nodes, and
     #: how many were explored (``budget.ExplorationYield.pending``)
     explored: tuple[int, int, int] | None = None
+    #: tokens committed and decode steps since it started (its pace, for a
+    #: draining batch's valuation: ``budget.DrainValuation``)
+    committed: int = 0
+    steps: int = 0
 
     def leave(self) -> None:
         """It left the batch or faulted: its running state is dropped."""
@@ -201,6 +205,9 @@ class StepBudget:
     #: draft nodes that may still be explored (the drafter's EXPLORE_SHARE
     #: of step time)
     explore_nodes: float = 0.0
+    #: each row's expected steps left when the batch drains, from
+    #: ``propose`` to ``_fit_to_batch`` (None: it does not)
+    remaining: list | None = None
     #: the last batch step's bar: the least a draft node had to be worth
     explore_bar: float | None = None
     #: the last all-decoding call's (request ids, drafts proposed, time),
