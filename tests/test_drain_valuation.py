@@ -130,8 +130,19 @@ def _scheduler_output(new=(), finished=(), waiting=0):
     return out
 
 
+def test_batch_drain_key_is_validated():
+    from vllm_specplug.config import translate
+    from vllm_specplug.options import SpecPlugConfigError
+
+    assert translate({"method": "sam"})[1]["batch_drain"] == "auto"
+    assert translate({"method": "sam", "batch_drain": "off"})[1]["batch_drain"] == "off"
+    with pytest.raises(SpecPlugConfigError, match="batch_drain"):
+        translate({"method": "sam", "batch_drain": "on"})
+
+
+@pytest.mark.parametrize("mode", ["auto", "off"])
 def test_drafter_values_rows_by_their_steps_left_when_the_batch_drains(patch_calls,
-                                                                       monkeypatch):
+                                                                       monkeypatch, mode):
     """The drafter reads the queue from the scheduler output and, in a
     draining batch, keeps the mediocre draft of the row that finishes last
     and cuts the same draft of a row far ahead."""
@@ -139,7 +150,7 @@ def test_drafter_values_rows_by_their_steps_left_when_the_batch_drains(patch_cal
     from vllm_specplug.vllm_adapter.v1.drafter import SpecPlugDrafter
 
     d = SpecPlugDrafter(make_vllm_config({"method": "sam", "num_speculative_tokens": 4,
-                                          "sam_min_accept_prob": 0.0}))
+                                          "sam_min_accept_prob": 0.0, "batch_drain": mode}))
     d.step_cost = type(d.step_cost)(prior_a=C0, prior_row=C_ROW, prior_b=B, prior_weight=1e9)
     # no exploration: only the valuation decides what is kept
     monkeypatch.setattr(drafter_module, "EXPLORE_SHARE", 0.0)
@@ -151,7 +162,11 @@ def test_drafter_values_rows_by_their_steps_left_when_the_batch_drains(patch_cal
     d.note_scheduler_output(_scheduler_output(new=["a", "b"]))
     hists = [[1, 2, 3, 1, 2], [7, 8, 7, 8]]
     drafts = step(d, ["a", "b"], hists, [[2], [8]])
-    assert d.drain.draining and d.stats()["drain"]["drain_steps"] == 1
+    assert d.drain.draining
+    if mode == "off":   # the usual rule: both rows keep their drafts
+        assert d.stats()["drain"]["drain_steps"] == 0 and drafts == [[100, 101], [100, 101]]
+        return
+    assert d.stats()["drain"]["drain_steps"] == 1
     assert drafts[0] == [] and len(drafts[1]) == 2
     # the same batch with a queue: the usual rule keeps both
     d.note_scheduler_output(_scheduler_output(waiting=3))

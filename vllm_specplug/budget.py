@@ -706,6 +706,8 @@ DISABLE_BY_BATCH_SIZE_KEY = "disable_by_batch_size"
 BATCH_BUDGET_MODES = ("auto", "off")
 GOODPUT_KEY = "goodput"
 GOODPUT_MODES = ("on", "off")
+BATCH_DRAIN_KEY = "batch_drain"
+BATCH_DRAIN_MODES = ("auto", "off")
 
 
 def pop_batch_options(spec: dict) -> dict:
@@ -721,7 +723,11 @@ def pop_batch_options(spec: dict) -> dict:
       already turns speculation off when it stops paying);
     * ``"goodput"``: ``"on"`` (``vllm_specplug.goodput`` cuts drafts
       where measured tokens per second say they do not pay, engine-wide and
-      per request) or ``"off"`` (default, until measured to pay)."""
+      per request) or ``"off"`` (default, until measured to pay);
+    * ``"batch_drain"``: ``"auto"`` (default: when nothing waits and
+      finished requests are not replaced, drafts are valued as in a
+      draining batch, ``DrainValuation``) or ``"off"`` (always as if a
+      finished request's slot were taken at once)."""
     from .options import SpecPlugConfigError
 
     mode = spec.pop(BATCH_BUDGET_KEY, "auto")
@@ -743,4 +749,11 @@ def pop_batch_options(spec: dict) -> dict:
             f"speculative_config[{GOODPUT_KEY!r}] must be one of "
             f"{', '.join(map(repr, GOODPUT_MODES))} (the goodput controller: drafts cut "
             f"where measured tokens per second say they do not pay), got {goodput!r}")
-    return {BATCH_BUDGET_KEY: mode, DISABLE_BY_BATCH_SIZE_KEY: limit, GOODPUT_KEY: goodput}
+    drain = spec.pop(BATCH_DRAIN_KEY, "auto")
+    if drain not in BATCH_DRAIN_MODES:
+        raise SpecPlugConfigError(
+            f"speculative_config[{BATCH_DRAIN_KEY!r}] must be one of "
+            f"{', '.join(map(repr, BATCH_DRAIN_MODES))} (how drafts are valued when nothing "
+            f"waits and finished requests are not replaced), got {drain!r}")
+    return {BATCH_BUDGET_KEY: mode, DISABLE_BY_BATCH_SIZE_KEY: limit, GOODPUT_KEY: goodput,
+            BATCH_DRAIN_KEY: drain}

@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 from vllm.v1.worker.gpu.spec_decode.speculator_config import SpeculatorConfig
 
-from ...budget import BATCH_BUDGET_KEY, DISABLE_BY_BATCH_SIZE_KEY, GOODPUT_KEY
+from ...budget import BATCH_BUDGET_KEY, BATCH_DRAIN_KEY, DISABLE_BY_BATCH_SIZE_KEY, GOODPUT_KEY
 from ...config import ISOLATION_KEY, translate
 from ...options import SpecPlugConfigError
 from ...registry import get_proposer_class
@@ -30,6 +30,8 @@ UNSUPPORTED_KEYS = {
                       "to share out; vLLM's own num_speculative_tokens_per_batch_size sets K "
                       "by batch size",
     DISABLE_BY_BATCH_SIZE_KEY: "use vLLM's own num_speculative_tokens_per_batch_size",
+    BATCH_DRAIN_KEY: "it steers the per-request batch budget, which vLLM 0.34 does not have "
+                     "(every num_speculative_tokens slot is verified)",
     GOODPUT_KEY: "vLLM 0.34 verifies all num_speculative_tokens slots of a request (shorter "
                  "drafts are padded), so cutting drafts saves no verification; its "
                  "num_speculative_tokens_per_batch_size sets K by batch size",

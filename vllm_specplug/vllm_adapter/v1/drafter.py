@@ -301,7 +301,8 @@ class SpecPlugDrafter(DrafterState):
         disabled = disabled or step_fault
         proposed: list[Draft] = []
         live = set()
-        draining = self.drain.draining and decoding >= 2
+        draining = (self.plugin.get("batch_drain", "auto") == "auto" and self.drain.draining
+                    and decoding >= 2)
         remaining: list[float] = []   # each row's expected steps left (draining)
         for row, sampled in enumerate(sampled_token_ids):
             req_id = req_ids[row]
