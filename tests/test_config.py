@@ -9,6 +9,7 @@ import pytest
 import vllm_specplug
 
 BATCH_DEFAULTS = {"batch_budget": "auto", "disable_by_batch_size": None, "goodput": "off",
+                  "batch_drain": "auto",
                   "isolation": "salt"}
 
 from vllm_specplug import config

@@ -251,6 +251,8 @@ def test_debug_methods_are_not_registered(plugins):
      "['acceptance'] is not supported on vLLM 0.34"),
     ({"method": "sam", "speculator_options": {"batch_budget": "off"}},
      "['batch_budget'] is not supported on vLLM 0.34"),
+    ({"method": "sam", "speculator_options": {"batch_drain": "off"}},
+     "['batch_drain'] is not supported on vLLM 0.34"),
     ({"method": "sam", "num_speculative_tokens": 200},
      "must be an integer in [1, 128]"),
     ({"method": "sam", "speculator_options": {"isolation": "salt"}},
