@@ -605,8 +605,8 @@ class DrainValuation:
     a request that finishes while others run opens a window of
     ``WINDOW`` steps; a request that arrives while the queue was empty and
     others ran closes every open window as refilled (1), and a window that
-    expires, or that the batch's emptying closes, counts 0. ``refill`` is their exponentially weighted mean,
-    starting at 0 with weight 1 (a fresh engine's first batch is valued as
+    expires, or that the batch's emptying closes, counts 0. ``refill`` is
+    their exponentially weighted mean, starting at 0 with weight 1 (a fresh engine's first batch is valued as
     draining; one observed refill turns that off). The batch drains when
     the scheduler's queue is empty and ``refill`` is below one half; with
     the queue's length unknown it never does (the usual rule)."""
@@ -730,30 +730,35 @@ def pop_batch_options(spec: dict) -> dict:
       finished request's slot were taken at once)."""
     from .options import SpecPlugConfigError
 
-    mode = spec.pop(BATCH_BUDGET_KEY, "auto")
-    if mode not in BATCH_BUDGET_MODES:
-        raise SpecPlugConfigError(
-            f"speculative_config[{BATCH_BUDGET_KEY!r}] must be one of "
-            f"{', '.join(map(repr, BATCH_BUDGET_MODES))}, got {mode!r}"
-            + (" (\"pace\" was removed on 2026-12-07: measured no faster)"
-               if mode == "pace" else ""))
+    mode = _pop_mode(spec, BATCH_BUDGET_KEY, BATCH_BUDGET_MODES, "auto",
+                     notes={"pace": " (\"pace\" was removed on 2026-12-07: measured no faster)"})
     limit = spec.pop(DISABLE_BY_BATCH_SIZE_KEY, None)
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)
                               or limit < 1):
         raise SpecPlugConfigError(
             f"speculative_config[{DISABLE_BY_BATCH_SIZE_KEY!r}] must be an integer >= 1 "
             f"(the batch size from which speculation is off), got {limit!r}")
-    goodput = spec.pop(GOODPUT_KEY, "off")
-    if goodput not in GOODPUT_MODES:
-        raise SpecPlugConfigError(
-            f"speculative_config[{GOODPUT_KEY!r}] must be one of "
-            f"{', '.join(map(repr, GOODPUT_MODES))} (the goodput controller: drafts cut "
-            f"where measured tokens per second say they do not pay), got {goodput!r}")
-    drain = spec.pop(BATCH_DRAIN_KEY, "auto")
-    if drain not in BATCH_DRAIN_MODES:
-        raise SpecPlugConfigError(
-            f"speculative_config[{BATCH_DRAIN_KEY!r}] must be one of "
-            f"{', '.join(map(repr, BATCH_DRAIN_MODES))} (how drafts are valued when nothing "
-            f"waits and finished requests are not replaced), got {drain!r}")
+    goodput = _pop_mode(spec, GOODPUT_KEY, GOODPUT_MODES, "off",
+                        "the goodput controller: drafts cut where measured tokens per second "
+                        "say they do not pay")
+    drain = _pop_mode(spec, BATCH_DRAIN_KEY, BATCH_DRAIN_MODES, "auto",
+                      "how drafts are valued when nothing waits and finished requests are "
+                      "not replaced")
     return {BATCH_BUDGET_KEY: mode, DISABLE_BY_BATCH_SIZE_KEY: limit, GOODPUT_KEY: goodput,
             BATCH_DRAIN_KEY: drain}
+
+
+def _pop_mode(spec: dict, key: str, modes: tuple, default: str, meaning: str = "",
+              notes: dict | None = None) -> str:
+    """``spec[key]`` (popped; ``default`` when absent), one of ``modes``, else
+    a ``SpecPlugConfigError`` naming the key, the modes, what the key does
+    (``meaning``) and, for a known wrong value, why (``notes``)."""
+    from .options import SpecPlugConfigError
+
+    value = spec.pop(key, default)
+    if value not in modes:
+        note = (notes or {}).get(value, "") if isinstance(value, str) else ""
+        raise SpecPlugConfigError(
+            f"speculative_config[{key!r}] must be one of {', '.join(map(repr, modes))}"
+            + (f" ({meaning})" if meaning else "") + f", got {value!r}{note}")
+    return value

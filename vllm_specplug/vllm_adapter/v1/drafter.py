@@ -301,14 +301,9 @@ class SpecPlugDrafter(DrafterState):
         disabled = disabled or step_fault
         proposed: list[Draft] = []
         live = set()
-        draining = (self.plugin.get("batch_drain", "auto") == "auto" and self.drain.draining
-                    and decoding >= 2)
-        remaining: list[float] = []   # each row's expected steps left (draining)
         for row, sampled in enumerate(sampled_token_ids):
             req_id = req_ids[row]
             live.add(req_id)
-            if draining:
-                remaining.append(self._steps_left(req_id, int(num_tokens_no_spec[row])))
             # partial prefill or discarded row; a request that faulted
             if not sampled or req_id in self.containment:
                 proposed.append(Draft.empty())
@@ -326,9 +321,8 @@ class SpecPlugDrafter(DrafterState):
             self.requests.preempt(req_id, MAX_PREEMPTED)
             self._forget(req_id)
         self.budget.req_ids = req_ids
-        self.budget.remaining = remaining if draining else None
         try:
-            proposed = self._fit_to_batch(proposed, decoding)
+            proposed = self._fit_to_batch(proposed, decoding, num_tokens_no_spec)
             proposed = self._goodput_caps(req_ids, sampled_token_ids, proposed)
         except Exception as e:  # noqa: BLE001 - a shared step: no drafts this step
             self.containment.shared_fault("budget", e)
@@ -490,11 +484,14 @@ class SpecPlugDrafter(DrafterState):
         pace = 1.0 if rec is None else (rec.committed + 1) / (rec.steps + 1)
         return (left + 1) / pace
 
-    def _fit_to_batch(self, drafts: list[Draft], decoding: int) -> list[Draft]:
+    def _fit_to_batch(self, drafts: list[Draft], decoding: int, num_tokens) -> list[Draft]:
         """Batch-aware budgets (``disable_by_batch_size`` is applied before
         proposing, in ``propose``): with ``batch_budget`` "auto" and two or
         more decoding requests, the batch's nodes are shared out by expected
-        tokens per second (``budget.allocate_batch``)."""
+        tokens per second (``budget.allocate_batch``), or, in a draining
+        batch, by what each row's tokens save (``DrainValuation``; every row
+        counts, a partial prefill too: it finishes late). ``num_tokens``:
+        each row's tokens so far (the runner's ``num_tokens_no_spec``)."""
         proposed = sum(len(d) for d in drafts)
         if not proposed:   # nothing drafted (disable_by_batch_size: see propose)
             return drafts
@@ -514,11 +511,11 @@ class SpecPlugDrafter(DrafterState):
         self.budget.explore_nodes = min(self.budget.explore_nodes + share, EXPLORE_CARRY * share)
         req_ids = self.budget.req_ids
         values = None
-        if self.budget.remaining is not None:
-            # a draining batch: a row's token is worth what finishing it a
-            # step sooner saves (DrainValuation)
+        if self.plugin.get("batch_drain", "auto") == "auto" and self.drain.draining:
             c0, c_row, _ = self.step_cost.coefficients()
-            values = self.drain.values(float(c0), float(c_row), self.budget.remaining)
+            remaining = [self._steps_left(r, int(num_tokens[row]))
+                         for row, r in enumerate(req_ids[: len(drafts)])]
+            values = self.drain.values(float(c0), float(c_row), remaining)
             self.drain.drain_steps += 1
         masks: list = []
         out, explored = allocate_batch_exploring(drafts, a, b, decoding,

@@ -205,9 +205,6 @@ class StepBudget:
     #: draft nodes that may still be explored (the drafter's EXPLORE_SHARE
     #: of step time)
     explore_nodes: float = 0.0
-    #: each row's expected steps left when the batch drains, from
-    #: ``propose`` to ``_fit_to_batch`` (None: it does not)
-    remaining: list | None = None
     #: the last batch step's bar: the least a draft node had to be worth
     explore_bar: float | None = None
     #: the last all-decoding call's (request ids, drafts proposed, time),
